@@ -1,0 +1,215 @@
+"""Configuration as data: frozen msgspec Structs, read from TOML or config.json.
+
+Every Struct is validated when it is decoded: an unknown key, a wrong type or an inconsistent
+value raises `ConfigError` naming the key and the file it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is wrong; the message names the key and the file."""
+
+
+class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """RoPE context extension, as Hugging Face writes it in config.json."""
+
+    rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3"] = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # YaRN
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The shape of a model. Field names follow Hugging Face config.json."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None  # None: same as num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    intermediate_size: int = 1408
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    use_gated_attention: bool = False
+    initializer_range: float = 0.02
+    # multi-latent attention (DeepSeek-V2 style)
+    attn_type: Literal["gqa", "mla"] = "gqa"
+    kv_lora_rank: int = 64
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    # mixture of experts (DeepSeek style)
+    ffn_type: Literal["mlp", "moe"] = "mlp"
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 256
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    first_k_dense_replace: int = 0
+    router_aux_loss_coef: float = 0.01
+    # "decoder" is causal; "encoder" attends both ways and is used through `encode`
+    model_type: Literal["decoder", "encoder"] = "decoder"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) unless head_dim is given"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.kv_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.attn_type == "gqa" and self.dim_per_head % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.dim_per_head}")
+        if self.attn_type == "mla" and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.ffn_type == "moe" and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"1..n_routed_experts ({self.n_routed_experts})"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.ffn_type == "moe"
+            and i >= self.first_k_dense_replace
+            and i % self.decoder_sparse_step == 0
+        )
+
+
+def _error_for(exc: msgspec.ValidationError, source: str) -> ConfigError:
+    # msgspec says "... - at `$.model.hidden_size`"; turn the path into the key people wrote.
+    text = str(exc).replace("`$.", "`").replace("$.", "")
+    return ConfigError(f"{source}: {text}")
+
+
+def from_dict(struct: type, data: dict[str, Any], source: str = "<dict>") -> Any:
+    """Decode a plain dict into `struct`, naming `source` in any error."""
+    try:
+        return msgspec.convert(data, struct, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _error_for(exc, source) from None
+
+
+def to_dict(config: msgspec.Struct) -> dict[str, Any]:
+    """A Struct as plain JSON-able data, with None fields left out."""
+    return {k: v for k, v in msgspec.to_builtins(config).items() if v is not None}
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def load_toml(path: str | Path, struct: type, table: str | None = None) -> Any:
+    """Read `struct` from a TOML file, from `[table]` when given."""
+    data = read_toml(path)
+    if table is not None:
+        if table not in data:
+            raise ConfigError(f"{path}: missing [{table}] table")
+        data = data[table]
+        source = f"{path} [{table}]"
+    else:
+        source = str(path)
+    return from_dict(struct, data, source)
+
+
+# Keys Hugging Face writes into config.json that describe the runtime, not the model's shape.
+_HF_IGNORED_KEYS = {
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "hidden_act", "attention_dropout", "use_cache", "pretraining_tp", "mlp_bias",
+    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "initializer_range",
+    "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "tie_word_embeddings",
+    "output_attentions", "output_hidden_states", "return_dict", "rope_parameters", "head_dim",
+    "is_decoder", "num_key_value_heads", "rope_scaling", "rope_theta",
+}  # fmt: skip
+
+_HF_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3"}
+
+
+def model_config_from_json(path: str | Path) -> ModelConfig:
+    """Read config.json: AstrAI's own, or a Hugging Face Llama/Qwen2/Mistral one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+    if data.get("model_type") in _HF_MODEL_TYPES:
+        data = _from_hf(data)
+    return from_dict(ModelConfig, data, str(path))
+
+
+def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in data.items() if k in ModelConfig.__struct_fields__}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):
+        if data.get(k) is not None:
+            out[k] = data[k]
+    out["model_type"] = "decoder"
+    out["num_key_value_heads"] = data.get("num_key_value_heads")
+    out["head_dim"] = data.get("head_dim")
+    out["tie_word_embeddings"] = data.get("tie_word_embeddings", False)
+    if data["model_type"] == "qwen2":
+        out["attention_bias"] = True
+    if data["model_type"] == "qwen3":
+        out["use_qk_norm"] = True
+    # transformers >= 5 nests theta and scaling under rope_parameters
+    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0
+    out["rope_theta"] = float(theta)
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    out["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
+    unknown = set(data) - set(ModelConfig.__struct_fields__) - _HF_IGNORED_KEYS
+    for k in unknown:
+        out.pop(k, None)
+    return out
+
+
+def write_model_config(path: str | Path, cfg: ModelConfig) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
