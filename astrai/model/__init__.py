@@ -1,0 +1,37 @@
+"""The model: parameters as a flat dict of tensors, layers as functions."""
+
+from astrai.model.attention import kv_shapes
+from astrai.model.checkpoint import CheckpointError, check_params, load_pretrained, save_pretrained
+from astrai.model.forward import (
+    decode_layers,
+    embed,
+    encode,
+    forward,
+    forward_cached,
+    init_cache,
+    lm_head,
+)
+from astrai.model.lora import init_lora, merge_lora
+from astrai.model.params import init_params, param_shapes
+from astrai.model.rope import apply_rope, rope_tables
+
+__all__ = [
+    "CheckpointError",
+    "apply_rope",
+    "check_params",
+    "decode_layers",
+    "embed",
+    "encode",
+    "forward",
+    "forward_cached",
+    "init_cache",
+    "init_lora",
+    "init_params",
+    "kv_shapes",
+    "lm_head",
+    "load_pretrained",
+    "merge_lora",
+    "param_shapes",
+    "rope_tables",
+    "save_pretrained",
+]

@@ -1,0 +1,126 @@
+"""Attention layers: grouped-query attention (GQA) and multi-latent attention (MLA).
+
+Each kind is two functions. `*_qkv` projects the new tokens into queries and the per-token
+K/V entries worth storing; `*_out` attends over all stored entries and projects back. Between
+them sits a KV store (see docs/architecture.md), so one layer serves training, a contiguous
+cache and the paged pool alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from astrai.config import ModelConfig
+from astrai.model.layers import Params, attend, linear, rms_norm
+from astrai.model.rope import apply_rope
+
+KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def kv_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-token shapes of the stored "k" and "v" entries."""
+    if cfg.attn_type == "mla":
+        return (cfg.kv_lora_rank,), (cfg.qk_rope_head_dim,)
+    return (cfg.kv_heads, cfg.dim_per_head), (cfg.kv_heads, cfg.dim_per_head)
+
+
+def identity_store(
+    layer: int, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
+# --- grouped-query attention -------------------------------------------------------------
+
+
+def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
+    B, T, _ = x.shape
+    H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
+    q = linear(params, f"{prefix}.q_proj", x, lora).view(B, T, H, -1)
+    gate = None
+    if cfg.use_gated_attention:
+        q, gate = q.split(D, dim=-1)
+    k = linear(params, f"{prefix}.k_proj", x, lora).view(B, T, Hkv, D)
+    v = linear(params, f"{prefix}.v_proj", x, lora).view(B, T, Hkv, D)
+    if cfg.use_qk_norm:
+        q = rms_norm(q, params[f"{prefix}.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, params[f"{prefix}.k_norm.weight"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def gqa_out(params: Params, cfg: ModelConfig, prefix: str, q, k, v, mask, causal, gate, lora):
+    B, T = q.shape[:2]
+    o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
+    o = o.transpose(1, 2)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return linear(params, f"{prefix}.o_proj", o.reshape(B, T, -1), lora)
+
+
+# --- multi-latent attention ----------------------------------------------------------------
+
+
+def mla_scale(cfg: ModelConfig) -> float:
+    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    rs = cfg.rope_scaling
+    if rs is not None and rs.rope_type == "yarn" and rs.mscale_all_dim:
+        m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0
+        scale *= m * m
+    return scale
+
+
+def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
+    B, T, _ = x.shape
+    if cfg.q_lora_rank:
+        q = linear(params, f"{prefix}.q_a_proj", x, lora)
+        q = rms_norm(q, params[f"{prefix}.q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q = linear(params, f"{prefix}.q_b_proj", q, lora)
+    else:
+        q = linear(params, f"{prefix}.q_proj", x, lora)
+    q = q.view(B, T, cfg.num_attention_heads, -1)
+    q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+    latent, k_rope = linear(params, f"{prefix}.kv_a_proj_with_mqa", x, lora).split(
+        [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
+    )
+    latent = rms_norm(latent, params[f"{prefix}.kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    # What MLA stores per token: the normalised latent and one rotated key shared by all heads.
+    return q, latent, apply_rope(k_rope, cos, sin), None
+
+
+def mla_out(
+    params: Params, cfg: ModelConfig, prefix: str, q, latent, k_rope, mask, causal, gate, lora
+):
+    B, T, H, _ = q.shape
+    S = latent.shape[1]
+    kv = linear(params, f"{prefix}.kv_b_proj", latent, lora).view(B, S, H, -1)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+    k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, H, -1)], dim=-1)
+    o = attend(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal, mla_scale(cfg)
+    )
+    return linear(params, f"{prefix}.o_proj", o.transpose(1, 2).reshape(B, T, -1), lora)
+
+
+ATTENTION = {"gqa": (gqa_qkv, gqa_out), "mla": (mla_qkv, mla_out)}
+
+
+def attention_layer(
+    params: Params,
+    cfg: ModelConfig,
+    layer: int,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_store: KVStore,
+    mask: torch.Tensor | None,
+    causal: bool,
+    lora: dict | None = None,
+) -> torch.Tensor:
+    qkv, out = ATTENTION[cfg.attn_type]
+    prefix = f"model.layers.{layer}.self_attn"
+    q, k_new, v_new, gate = qkv(params, cfg, prefix, x, *rope, lora)
+    k, v = kv_store(layer, k_new, v_new)
+    return out(params, cfg, prefix, q, k, v, mask, causal, gate, lora)

@@ -1,0 +1,204 @@
+"""The model as pure functions: tokens and params in, hidden states or logits out."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from astrai.config import ModelConfig
+from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
+from astrai.model.layers import Params, rms_norm, swiglu
+from astrai.model.moe import moe
+from astrai.model.rope import rope_tables
+
+
+def embed(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    neftune_alpha: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    x = F.embedding(tokens, params["model.embed_tokens.weight"])
+    if neftune_alpha:
+        # NEFTune: uniform noise of norm ~alpha / sqrt(T * hidden) regularises fine-tuning.
+        T, h = tokens.shape[-1], x.shape[-1]
+        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+        x = x + (2 * noise - 1) * (neftune_alpha / (T * h) ** 0.5)
+    return x
+
+
+def document_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[B, T] document ids -> [B, 1, T, T] bool mask: attend only within one's own document."""
+    mask = doc_ids[:, :, None] == doc_ids[:, None, :]
+    if causal:
+        T = doc_ids.shape[1]
+        mask = mask & torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return mask[:, None]
+
+
+def decode_layers(
+    params: Params,
+    cfg: ModelConfig,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    kv_store: KVStore = identity_store,
+    lora: dict | None = None,
+    checkpoint: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run every layer over embeddings x [B, T, hidden] -> (final normed hidden, MoE aux loss).
+
+    mask: bool [B, 1, T, S] (True = may attend) or None for plain causal (decoder) or full
+    (encoder) attention over the T new tokens. kv_store decides what the layers attend over.
+    """
+    causal = cfg.model_type == "decoder"
+    rope = rope_tables(cfg, positions)
+    aux = x.new_zeros((), dtype=torch.float32)
+    for i in range(cfg.num_hidden_layers):
+        if checkpoint:
+            x, layer_aux = torch.utils.checkpoint.checkpoint(
+                _layer, params, cfg, i, x, rope, kv_store, mask, causal, lora, use_reentrant=False
+            )
+        else:
+            x, layer_aux = _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora)
+        aux = aux + layer_aux
+    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), aux
+
+
+def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
+    p = f"model.layers.{i}"
+    h = rms_norm(x, params[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
+    x = x + attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
+    h = rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    if cfg.is_moe_layer(i):
+        y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
+    else:
+        y, aux = swiglu(params, f"{p}.mlp", h, lora), x.new_zeros((), dtype=torch.float32)
+    return x + y, aux
+
+
+def lm_head(params: Params, cfg: ModelConfig, hidden: torch.Tensor) -> torch.Tensor:
+    weight = params.get("lm_head.weight", params["model.embed_tokens.weight"])
+    return F.linear(hidden, weight)
+
+
+def default_positions(tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    T = tokens.shape[-1]
+    return torch.arange(start, start + T, device=tokens.device).expand(tokens.shape)
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+    lora: dict | None = None,
+    return_aux: bool = False,
+    neftune_alpha: float = 0.0,
+    generator: torch.Generator | None = None,
+    checkpoint: bool = False,
+):
+    """tokens [B, T] -> logits [B, T, vocab] (and the MoE aux loss when return_aux).
+
+    positions [B, T] default to 0..T-1; doc_ids [B, T] restrict attention to each document
+    of a packed sequence; mask is an explicit bool [B, 1, T, T] (True = may attend).
+    """
+    if positions is None:
+        positions = default_positions(tokens)
+    if doc_ids is not None:
+        mask = document_mask(doc_ids, cfg.model_type == "decoder")
+    x = embed(params, cfg, tokens, neftune_alpha, generator)
+    hidden, aux = decode_layers(params, cfg, x, positions, mask, lora=lora, checkpoint=checkpoint)
+    logits = lm_head(params, cfg, hidden)
+    return (logits, aux) if return_aux else logits
+
+
+# --- a contiguous KV cache for incremental decoding ------------------------------------
+
+
+def init_cache(
+    cfg: ModelConfig,
+    batch: int,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """{"k": [L, B, max_len, *k], "v": [L, B, max_len, *v]} (shapes from kv_shapes)."""
+    k_shape, v_shape = kv_shapes(cfg)
+    L = cfg.num_hidden_layers
+    return {
+        "k": torch.zeros(L, batch, max_len, *k_shape, dtype=dtype, device=device),
+        "v": torch.zeros(L, batch, max_len, *v_shape, dtype=dtype, device=device),
+    }
+
+
+def forward_cached(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    cache: dict[str, torch.Tensor],
+    start: int,
+    lora: dict | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Feed tokens [B, T] at positions start..start+T-1, attending over the cached prefix.
+
+    The cache is donated: it is written in place and returned; do not reuse the old one.
+    """
+    T = tokens.shape[1]
+    end = start + T
+
+    def store(layer, k_new, v_new):
+        cache["k"][layer, :, start:end] = k_new.to(cache["k"].dtype)
+        cache["v"][layer, :, start:end] = v_new.to(cache["v"].dtype)
+        return cache["k"][layer, :, :end], cache["v"][layer, :, :end]
+
+    key_pos = torch.arange(end, device=tokens.device)
+    query_pos = torch.arange(start, end, device=tokens.device)
+    mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
+    x = embed(params, cfg, tokens)
+    positions = default_positions(tokens, start)
+    hidden, _ = decode_layers(params, cfg, x, positions, mask, kv_store=store, lora=lora)
+    return lm_head(params, cfg, hidden), cache
+
+
+# --- the embedding encoder -------------------------------------------------------------
+
+
+def encode(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    pooling: str = "mean",
+    normalize: bool = True,
+) -> torch.Tensor:
+    """tokens [B, T], mask [B, T] (1 = real token) -> embeddings [B, hidden].
+
+    Attention is bidirectional for encoders (model_type "encoder"), causal otherwise.
+    """
+    if mask is None:
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask = mask.bool()
+    attn = mask[:, None, None, :]
+    if cfg.model_type == "decoder":
+        T = tokens.shape[1]
+        attn = attn & torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+    # A padded query row that sees nothing would give NaN; let it see itself.
+    attn = attn | torch.eye(tokens.shape[1], dtype=torch.bool, device=tokens.device)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden, _ = decode_layers(params, cfg, embed(params, cfg, tokens), positions, attn)
+    match pooling:
+        case "mean":
+            weights = mask[..., None].to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+        case "last":
+            last = mask.long().sum(-1).clamp(min=1) - 1
+            pooled = hidden[torch.arange(hidden.shape[0]), last]
+        case "cls":
+            pooled = hidden[:, 0]
+        case _:
+            raise ValueError(f"pooling must be 'mean', 'last' or 'cls', got {pooling!r}")
+    return F.normalize(pooled, dim=-1) if normalize else pooled

@@ -1,0 +1,100 @@
+"""Rotary position embeddings, with the context-extension schemes Hugging Face names.
+
+`rope_tables(cfg, positions)` gives the cos/sin tables for any positions, so training,
+cached decoding and paged serving all rotate with the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from astrai.config import ModelConfig
+
+
+def rope_dim(cfg: ModelConfig) -> int:
+    return cfg.qk_rope_head_dim if cfg.attn_type == "mla" else cfg.dim_per_head
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_frequencies(cfg: ModelConfig, seq_len: int) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation frequencies and the attention factor that scales cos/sin."""
+    dim, base = rope_dim(cfg), cfg.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    inv_freq = 1.0 / base**exponents
+    rs = cfg.rope_scaling
+    if rs is None or rs.rope_type == "default":
+        return inv_freq.float(), 1.0
+    original = rs.original_max_position_embeddings or cfg.max_position_embeddings
+    match rs.rope_type:
+        case "linear":
+            return (inv_freq / rs.factor).float(), 1.0
+        case "dynamic":
+            # NTK-aware: stretch the base only once the sequence outgrows the trained context.
+            if seq_len > original:
+                base = base * ((rs.factor * seq_len / original) - (rs.factor - 1)) ** (
+                    dim / (dim - 2)
+                )
+                inv_freq = 1.0 / base**exponents
+            return inv_freq.float(), 1.0
+        case "yarn":
+            return _yarn(inv_freq, dim, base, rs, original)
+        case "llama3":
+            return _llama3(inv_freq, rs, original).float(), 1.0
+    raise ValueError(f"unknown rope_scaling.rope_type {rs.rope_type!r}")
+
+
+def _yarn(inv_freq, dim, base, rs, original) -> tuple[torch.Tensor, float]:
+    if rs.attention_factor is not None:
+        attention_factor = rs.attention_factor
+    elif rs.mscale and rs.mscale_all_dim:
+        attention_factor = _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(
+            rs.factor, rs.mscale_all_dim
+        )
+    else:
+        attention_factor = _yarn_mscale(rs.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 keeps the original frequency, 0 interpolates fully
+    blended = inv_freq / rs.factor * (1 - extrapolate) + inv_freq * extrapolate
+    return blended.float(), attention_factor
+
+
+def _llama3(inv_freq, rs, original) -> torch.Tensor:
+    low_wavelen = original / rs.low_freq_factor
+    high_wavelen = original / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (original / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [*positions.shape, rope_dim] in float32."""
+    seq_len = int(positions.max()) + 1 if positions.numel() else 1
+    inv_freq, factor = inv_frequencies(cfg, seq_len)
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos() * factor, angles.sin() * factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] (or [B, T, D]) by tables [B, T, D] (half-split pairs, as HF does)."""
+    if x.dim() == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
