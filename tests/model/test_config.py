@@ -42,5 +42,5 @@ def test_good_toml_and_json(tmp_path):
     assert cfg.hidden_size == 64 and cfg.kv_heads == 8
     path = write(tmp_path, "config.json", '{"hidden_size": 64, "num_attention_heads": 4}')
     assert model_config_from_json(path).dim_per_head == 16
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         model_config_from_json(write(tmp_path, "config.json", '{"vocab_size": -1}'))
