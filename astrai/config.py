@@ -213,3 +213,192 @@ def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
 
 def write_model_config(path: str | Path, cfg: ModelConfig) -> None:
     Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+
+
+# --- training (docs/training.md lists every key) -------------------------------------------
+
+
+def _require_positive(owner: object, *names: str) -> None:
+    for name in names:
+        if getattr(owner, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(owner, name)}")
+
+
+def _require_non_negative(owner: object, *names: str) -> None:
+    for name in names:
+        if getattr(owner, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(owner, name)}")
+
+
+class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[optimizer]: the update rule, its hyper-parameters and gradient clipping."""
+
+    name: Literal["adamw", "sgd", "lion"] = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    decay_norms: bool = False
+    decay_biases: bool = False
+    decay_embeddings: bool = False
+    fused: bool = False  # adamw: torch's fused kernel instead of foreach
+    max_grad_norm: float = 1.0  # 0: no clipping
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "lr", "eps")
+        _require_non_negative(self, "weight_decay", "momentum", "max_grad_norm")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+class ScheduleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[schedule]: the learning rate as a function of the step (peak = optimizer.lr)."""
+
+    name: Literal["constant", "cosine", "sgdr", "wsd"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    cycle_steps: int = 0  # sgdr: length of the first cycle; 0 = the whole run
+    cycle_mult: float = 1.0  # sgdr: each cycle this many times longer than the last
+    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
+    decay_shape: Literal["linear", "cosine"] = "linear"  # wsd
+
+    def __post_init__(self) -> None:
+        _require_non_negative(self, "warmup_steps", "min_lr_ratio", "cycle_steps")
+        if self.cycle_mult < 1.0:
+            raise ValueError(f"cycle_mult must be >= 1, got {self.cycle_mult}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+
+
+class LossConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[loss]: options of the seq/sft/dpo/grpo objectives."""
+
+    label_smoothing: float = 0.0
+    aux_loss_coef: float | None = None  # MoE balance loss; None = model's router_aux_loss_coef
+    neftune_alpha: float = 0.0  # embedding noise during training (NEFTune); 0 = off
+    dpo_beta: float = 0.1
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    dpo_label_smoothing: float = 0.0
+    logp_reduction: Literal["sum", "mean"] = "sum"  # per-sequence log-prob for dpo
+    grpo_clip_low: float = 0.2
+    grpo_clip_high: float = 0.2
+    grpo_kl_beta: float = 0.04
+    grpo_averaging: Literal["token", "sequence"] = "token"
+    grpo_scale_rewards: bool = True  # divide advantages by the group's std
+
+    def __post_init__(self) -> None:
+        _require_non_negative(
+            self, "neftune_alpha", "grpo_clip_low", "grpo_clip_high", "grpo_kl_beta"
+        )
+        _require_positive(self, "dpo_beta")
+        for name in ("label_smoothing", "dpo_label_smoothing"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[lora]: train low-rank adapters instead of every weight (rank 0 = full training)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )  # fmt: skip
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require_non_negative(self, "rank")
+
+
+class TrainDataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[data]: where batches come from."""
+
+    source: Literal["shards", "synthetic"] = "shards"
+    train: str = ""  # shards: folder written by `just prepare`
+    valid: str = ""  # held-out folder; "" = no validation
+    seq_len: int = 64  # synthetic: tokens per row
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "seq_len")
+
+
+class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A training run: the model, its data, the optimizer and how the loop runs."""
+
+    kind: Literal["seq", "sft", "dpo", "grpo"] = "seq"
+    out_dir: str = "runs/default"
+    model: ModelConfig | None = None  # a fresh model of this shape ...
+    init_from: str = ""  # ... or the weights of a checkpoint folder
+    tokenizer: str = ""  # folder whose tokenizer files are copied into checkpoints
+    seed: int = 0
+    max_steps: int = 1000
+    batch_size: int = 8  # sequences per optimizer step, summed over ranks and micro-batches
+    grad_accum: int = 1  # micro-batches per optimizer step
+    precision: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    compile: bool = False
+    activation_checkpointing: bool = False
+    max_bad_steps: int = 10  # consecutive non-finite steps before stopping
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end (when data.valid is set)
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 3
+    progress: bool = True
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    loss: LossConfig = LossConfig()
+    lora: LoraConfig = LoraConfig()
+    data: TrainDataConfig = TrainDataConfig()
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            self, "max_steps", "batch_size", "grad_accum", "log_every", "eval_batches"
+        )
+        _require_positive(self, "keep_checkpoints", "max_bad_steps", "bucket_mb")
+        _require_non_negative(self, "eval_every", "checkpoint_every")
+        if (self.model is None) == (not self.init_from):
+            raise ValueError("give exactly one of a [model] table or init_from")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
+            )
+
+
+def train_config(data: dict[str, Any], source: str = "<dict>", base: Path | None = None):
+    """Decode a training config; relative paths are taken from `base` (the TOML's folder)."""
+    cfg = from_dict(TrainConfig, data, source)
+    if base is None:
+        return cfg
+
+    def under(p: str) -> str:
+        return p if not p or Path(p).is_absolute() else str(base / p)
+
+    data_cfg = msgspec.structs.replace(
+        cfg.data, train=under(cfg.data.train), valid=under(cfg.data.valid)
+    )
+    return msgspec.structs.replace(
+        cfg,
+        out_dir=under(cfg.out_dir),
+        init_from=under(cfg.init_from),
+        tokenizer=under(cfg.tokenizer),
+        data=data_cfg,
+    )
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Read a training TOML (paths in it are relative to the TOML's folder)."""
+    path = Path(path)
+    cfg = train_config(read_toml(path), str(path), base=path.parent)
+    if cfg.data.source == "shards" and not cfg.data.train:
+        raise ConfigError(
+            f"{path}: `data.train` must name a prepared data folder (or source = 'synthetic')"
+        )
+    return cfg
