@@ -402,3 +402,39 @@ def load_train_config(path: str | Path) -> TrainConfig:
             f"{path}: `data.train` must name a prepared data folder (or source = 'synthetic')"
         )
     return cfg
+
+
+# --- serving (docs/serving.md lists every key) ---------------------------------------------
+
+
+class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[serve]: where `just serve` listens, what it allows, and how big its engine is."""
+
+    host: str = "127.0.0.1"  # loopback only unless asked: the API has no rate limits per user
+    port: int = 8000
+    model_name: str | None = None  # None: the model folder's name
+    api_key: str | None = None  # None: ASTRAI_API_KEY when set, else no key is asked for
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16  # choices per request
+    max_top_logprobs: int = 20
+    default_max_tokens: int = 1024  # chat completions without max_tokens (cut to the context)
+    max_waiting: int | None = 256  # queued requests beyond this are answered 429 / 529
+    # the Engine
+    num_pages: int | None = None  # None: enough for max_batch full-length sequences
+    page_size: int = 16
+    max_batch: int = 64
+    max_seq_len: int | None = None  # None: the model's max_position_embeddings
+    prefill_chunk: int = 512
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "default_max_tokens", "page_size", "max_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_waiting", "num_pages", "max_seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
