@@ -88,10 +88,12 @@ def tokenizer_hash(path: str) -> str | None:
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
 
 
-def prepare(cfg: DataConfig, tokenizer: Any = None, log: TextIO | None = sys.stderr) -> Summary:
+def prepare(cfg: DataConfig, tokenizer: Any = None, log: TextIO | str | None = "stderr") -> Summary:
     """Write the shards and index of `cfg` into `cfg.output`, replacing what was there only
     once everything is written. Bad records are reported on `log` (with `cfg.strict` the first
-    one raises `RecordError`); the summary is printed at the end and returned."""
+    one raises `RecordError`); the summary is printed at the end and returned. `log` is a
+    stream, "stderr" (sys.stderr at call time) or None (silent)."""
+    log = sys.stderr if log == "stderr" else log
     if not cfg.output:
         raise ConfigError("output: the folder to write the shards into must be given")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
@@ -143,6 +145,9 @@ def fitted_docs(
                 report_skip(cfg, result, tally, log)
             if docs:
                 tally.records_kept += 1
+                for columns, _ in docs:
+                    tally.tokens += sum(len(ids) for ids, _ in columns.values())
+                    tally.trained_tokens += sum(int(mask.sum()) for _, mask in columns.values())
                 yield from docs
         if show is not None:
             show(tally.bytes_read, tally.total_bytes, tally.records_read, tally.tokens)
@@ -158,7 +163,7 @@ def report_skip(cfg: DataConfig, skip: Skip, tally: Tally, log: TextIO | None) -
     bad = sum(tally.dropped[r] for r in ("invalid_json", "missing_field", "wrong_type"))
     if is_error and log is not None and bad <= SHOWN_ERRORS:
         more = " (further bad records are only counted)" if bad == SHOWN_ERRORS else ""
-        log.write(f"\r{skip.source}: skipped: {skip.reason}: {skip.message}{more}\n")
+        log.write(f"{skip.source}: skipped: {skip.reason}: {skip.message}{more}\n")
 
 
 def fit_example(cfg: DataConfig, example: Example, tally: Tally) -> list[Doc]:
@@ -218,8 +223,6 @@ def make_shard(
             arrays[f"{name}.positions"] = positions.astype(
                 token_dtype_for(int(positions.max()) + 1)
             )
-        tally.tokens += len(flat)
-        tally.trained_tokens += int(arrays[f"{name}.mask"].sum())
     if cfg.kind == "grpo":
         records = [docs[i][1].encode() for i in order]
         arrays["records.data"] = np.frombuffer(b"".join(records), dtype=np.uint8)
