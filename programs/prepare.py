@@ -21,7 +21,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("config", help="data TOML (keys at the top level or under [data])")
+    parser.add_argument("config", help="data TOML (keys at the top level or under [prepare])")
     parser.add_argument("--output", help="folder to write (overrides `output`)")
     parser.add_argument("--workers", type=int, help="tokenising processes (overrides `workers`)")
     parser.add_argument("--max-items", type=int, help="keep at most this many records")

@@ -126,12 +126,13 @@ def data_config(
 
 
 def load_data_config(path: str | Path) -> DataConfig:
-    """Read a data TOML: the keys at the top level, or under a [data] table."""
+    """Read a data TOML: the keys at the top level, or under a [prepare] table (so that one
+    file can also hold other tables, e.g. a training config's)."""
     path = Path(path)
     data = read_toml(path)
     source = str(path)
-    if "data" in data and isinstance(data["data"], dict):
-        data, source = data["data"], f"{path} [data]"
+    if isinstance(data.get("prepare"), dict):
+        data, source = data["prepare"], f"{path} [prepare]"
     return data_config(data, source, base=path.parent)
 
 

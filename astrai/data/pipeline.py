@@ -84,8 +84,9 @@ def load_tokenizer(path: str) -> Any:
 
 
 def tokenizer_hash(path: str) -> str | None:
+    """SHA-256 of the folder's tokenizer.json; None for a tokenizer that was given, not named."""
     file = Path(path) / "tokenizer.json"
-    return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
+    return hashlib.sha256(file.read_bytes()).hexdigest() if path and file.is_file() else None
 
 
 def prepare(cfg: DataConfig, tokenizer: Any = None, log: TextIO | str | None = "stderr") -> Summary:

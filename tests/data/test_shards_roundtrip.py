@@ -149,6 +149,20 @@ def test_jsonl_and_toml_read_directly_equal_prepared_shards(tok_dir, tmp_path, w
             assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_keys_may_sit_under_a_prepare_table(tok, tok_dir, tmp_path, write_jsonl):
+    write_jsonl(tmp_path / "a.jsonl", [{"q": "1 + 1?", "a": "2"}])
+    (tmp_path / "run.toml").write_text(
+        f'[prepare]\ntokenizer = "{tok_dir}"\ninputs = ["a.jsonl"]\nkind = "sft"\n'
+        'format = "prompt_response"\ntemplate = "plain"\nfields = {prompt = "q", response = "a"}\n'
+        "[model]\nhidden_size = 64\n"
+    )
+    data = open_dataset(tmp_path / "run.toml", tokenizer=tok)
+    example = get_example(data, 0)
+    assert example["input_ids"].tolist() == [*tok.encode("1 + 1?"), *tok.encode("2"), tok.eos_id]
+    assert tok.decode(example["labels"][example["labels"] >= 0]) == "2"
+    assert data.index["tokenizer"]["sha256"] is None  # a tokenizer given, not read from a folder
+
+
 def test_workers_give_the_same_shards(tok_dir, tmp_path, write_jsonl, chat):
     write_jsonl(tmp_path / "a.jsonl", [chat(i, turns=1 + i % 3) for i in range(90)])
     keys = {"kind": "sft", "batch_records": 7, "shard_tokens": 1000, "max_seq_len": 256}
