@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,32 +69,26 @@ def open_dataset(
             raise ShardError(f"{source}: holds {index['kind']!r} data, not {kind!r}")
         shards = [open_shard(source, entry) for entry in index["shards"]]
         return make_dataset(index, shards, stride)
+    loaded = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else None
+    named = {} if tokenizer is None else {"tokenizer": tokenizer if loaded is None else ""}
     if source.endswith(".toml"):
         cfg = load_data_config(source)
-        changes = {**overrides, **({"kind": kind} if kind else {})}
-        if tokenizer is not None and not isinstance(tokenizer, str):
-            changes["tokenizer"] = ""
-        elif tokenizer is not None:
-            changes["tokenizer"] = tokenizer
+        changes = {**overrides, **named, **({"kind": kind} if kind else {})}
         cfg = data_config({**msgspec.to_builtins(cfg), **changes}, source)
+    elif not named:
+        raise ValueError(f"{source}: reading JSONL needs a tokenizer (a folder or a Tokenizer)")
     else:
-        if tokenizer is None:
-            raise ValueError(f"{source}: reading JSONL needs a tokenizer (a folder or a Tokenizer)")
-        path = tokenizer if isinstance(tokenizer, str) else ""
-        fields = {"tokenizer": path, "inputs": [source], "kind": kind or "seq", "progress": False}
+        fields = {"inputs": [source], "kind": kind or "seq", "progress": False, **named}
         cfg = data_config({**fields, **overrides}, "open_dataset")
-    tok = (
-        load_tokenizer(cfg.tokenizer)
-        if tokenizer is None or isinstance(tokenizer, str)
-        else tokenizer
-    )
+    tok = loaded if loaded is not None else load_tokenizer(cfg.tokenizer)
     return dataset_in_memory(cfg, tok, stride)
 
 
 def dataset_in_memory(cfg: DataConfig, tok: Any, stride: int | None = None) -> Dataset:
-    """The dataset `prepare(cfg)` would write, built in memory without touching the disk."""
+    """The dataset `prepare(cfg)` would write, built in memory without touching the disk.
+    Bad records are reported on stderr (or raise, with `cfg.strict`)."""
     tally = Tally()
-    shards = list(build_shards(cfg, tok, expand_inputs(cfg.inputs), tally))
+    shards = list(build_shards(cfg, tok, expand_inputs(cfg.inputs), tally, sys.stderr))
     entries = [shard_counts(s) for s in shards]
     index = json.loads(json.dumps(make_index(cfg, tok, entries, tally.summary())))
     return make_dataset(index, shards, stride)
