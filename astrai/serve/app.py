@@ -1,0 +1,187 @@
+"""The Starlette app: routes, API keys, body limits, and errors in each API's own format.
+
+Every route goes through `_endpoint`: it checks the API key (except /health), reads a POST body
+up to the size limit, and turns any error into the JSON the client's SDK understands. Nothing a
+client sends can reach the file system: model and tokenizer are loaded before the app exists.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from astrai.config import ServeConfig
+from astrai.serve import anthropic, embeddings, openai
+from astrai.serve.errors import (
+    APIError,
+    anthropic_body,
+    anthropic_status,
+    openai_body,
+    openai_status,
+)
+from astrai.serve.metrics import Metrics, count_request, render
+from astrai.serve.schemas_openai import Model, ModelList
+from astrai.serve.state import AppState, check_model, now
+
+log = logging.getLogger("astrai.serve")
+_encode = msgspec.json.Encoder().encode
+
+Handler = Callable[[AppState, object], Awaitable[Response]]
+
+
+def speaks_anthropic(request: Request) -> bool:
+    # the Anthropic SDK sends anthropic-version on every call, e.g. GET /v1/models
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+
+
+def error_response(request: Request, err: APIError) -> Response:
+    if speaks_anthropic(request):
+        status, body = anthropic_status(err), anthropic_body(err)
+    else:
+        status, body = openai_status(err), openai_body(err)
+    return Response(_encode(body), status_code=status, media_type="application/json")
+
+
+def authorize(request: Request, api_key: str | None) -> None:
+    """Either header may carry the key: `Authorization: Bearer` (OpenAI) or `x-api-key`."""
+    if api_key is None:
+        return
+    bearer = request.headers.get("authorization", "")
+    offered = [bearer[7:].strip()] if bearer[:7].lower() == "bearer " else []
+    offered += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+    if not any(hmac.compare_digest(k.encode(), api_key.encode()) for k in offered):
+        message = "Invalid API key." if offered else "An API key is required."
+        raise APIError(401, message, code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    too_large = APIError(413, f"The request body is larger than {limit} bytes.")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False):
+    """POST handlers receive the body bytes, GET handlers the request."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if not public:
+                authorize(request, state.serve_cfg.api_key)
+            if request.method == "POST":
+                body = await read_body(request, state.serve_cfg.max_body_bytes)
+                response = await handler(state, body)
+            else:
+                response = await handler(state, request)
+        except APIError as err:
+            response = error_response(request, err)
+        except Exception:  # a bug of ours: say so, keep serving
+            log.exception("error while answering %s", path)
+            response = error_response(request, APIError(500, "Internal server error."))
+        count_request(state.metrics, path, response.status_code)
+        return response
+
+    return endpoint
+
+
+# ---------------------------------------------------------------- the small GET routes
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(_encode(obj), status_code=status, media_type="application/json")
+
+
+def model_entry(state: AppState) -> Model:
+    created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
+    return Model(
+        state.model_name, state.created, created_at.replace("+00:00", "Z"), state.model_name
+    )
+
+
+async def list_models(state: AppState, request: Request) -> Response:
+    name = state.model_name
+    return json_response(ModelList([model_entry(state)], name, name))
+
+
+async def get_model(state: AppState, request: Request) -> Response:
+    check_model(state, request.path_params["model_id"])
+    return json_response(model_entry(state))
+
+
+async def health(state: AppState, request: Request) -> Response:
+    return json_response({"status": "ok", "model": state.model_name})
+
+
+async def stats(state: AppState, request: Request) -> Response:
+    return json_response(state.engine.stats())
+
+
+async def metrics(state: AppState, request: Request) -> Response:
+    text = render(state.metrics, state.engine.stats())
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---------------------------------------------------------------- the app
+
+
+def context_of(engine) -> int:
+    limit = getattr(engine, "max_seq_len", None)
+    return limit or engine.cfg.max_position_embeddings
+
+
+def make_app(engine, model_name: str, serve_cfg: ServeConfig | None = None) -> Starlette:
+    """An app serving `engine` (an `astrai.infer.Engine`, or an `EncoderModel` for embeddings)
+    under `model_name`. The caller owns the engine and closes it after the server stops."""
+    serve_cfg = serve_cfg or ServeConfig()
+    state = AppState(
+        engine=engine,
+        tokenizer=engine.tokenizer,
+        model_name=model_name,
+        context=context_of(engine),
+        vocab_size=engine.cfg.vocab_size,
+        serve_cfg=serve_cfg,
+        metrics=Metrics(),
+        created=now(),
+    )
+    table = [
+        ("/v1/chat/completions", "POST", openai.chat_completions, False),
+        ("/v1/completions", "POST", openai.completions, False),
+        ("/v1/embeddings", "POST", embeddings.embeddings, False),
+        ("/v1/messages", "POST", anthropic.messages, False),
+        ("/v1/messages/count_tokens", "POST", anthropic.count_tokens, False),
+        ("/v1/models", "GET", list_models, False),
+        ("/v1/models/{model_id:path}", "GET", get_model, False),
+        ("/health", "GET", health, True),
+        ("/stats", "GET", stats, False),
+        ("/metrics", "GET", metrics, False),
+    ]
+    routes = [
+        Route(path, _endpoint(state, path, handler, public), methods=[method])
+        for path, method, handler, public in table
+    ]
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # unknown paths and wrong methods, in the same format as every other error
+        return error_response(
+            request, APIError(exc.status_code, f"{exc.detail}: {request.url.path}")
+        )
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.astrai = state
+    return app

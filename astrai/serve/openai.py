@@ -1,0 +1,364 @@
+"""OpenAI chat and text completions: request -> engine streams -> JSON or Server-Sent Events.
+
+n choices are n engine requests of one prompt (seeded seed, seed+1, ... when a seed is given,
+so that they differ). With tools, calls are parsed out of the model's text (see tools.py) and
+returned as `tool_calls`; streamed, each call arrives whole in one delta once its tag closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.responses import Response
+
+from astrai.serve import sse, tools
+from astrai.serve.chat import chat_prompt, check_token_ids, finite, prompt_ids, token_text
+from astrai.serve.errors import APIError, bad_request, from_decode_error, openai_body
+from astrai.serve.schemas_openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatCompletion,
+    ChatMessage,
+    ChatRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    CompletionRequest,
+    Delta,
+    FunctionCall,
+    LegacyLogprobs,
+    NamedToolChoice,
+    SamplingFields,
+    TextChoice,
+    TextCompletion,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+from astrai.serve.state import AppState, check_model, new_id, now, token_budget
+from astrai.serve.streams import Outcome, collect, open_choices
+
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_encode = msgspec.json.Encoder().encode
+
+# The legacy completions API generates 16 tokens when max_tokens is not given.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def decode(decoder: msgspec.json.Decoder, body: bytes):
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+
+
+def json_response(obj) -> Response:
+    return Response(_encode(obj), media_type="application/json")
+
+
+# ---------------------------------------------------------------- request -> engine arguments
+
+
+def stop_list(stop: str | list[str] | None) -> list[str] | None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    return [s for s in stops if s] or None
+
+
+def sampling_kwargs(req: SamplingFields, max_tokens: int, top_logprobs: int | None) -> dict:
+    """Engine keyword arguments; what the client left out keeps the engine's default."""
+    kwargs = {
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k if req.top_k and req.top_k > 0 else None,  # -1 and 0: no top-k
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "logit_bias": req.logit_bias or None,
+        "seed": req.seed,
+        "stop": stop_list(req.stop),
+        "logprobs": True if top_logprobs is not None else None,
+        "top_logprobs": top_logprobs or None,
+    }
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def choice_kwargs(kwargs: dict, n: int) -> list[dict]:
+    """n copies; with a seed, each choice gets its own so that they are not all the same."""
+    seed = kwargs.get("seed")
+    return [kwargs if seed is None else {**kwargs, "seed": seed + i} for i in range(n)]
+
+
+def check_sampling(state: AppState, req: SamplingFields, top_logprobs: int | None) -> None:
+    check_model(state, req.model)
+    cfg = state.serve_cfg
+    if req.n > cfg.max_n:
+        raise bad_request(f"n is {req.n}; this server allows at most {cfg.max_n}.", "n")
+    if top_logprobs is not None and top_logprobs > cfg.max_top_logprobs:
+        raise bad_request(
+            f"top_logprobs is {top_logprobs}; at most {cfg.max_top_logprobs} is allowed.",
+            "top_logprobs",
+        )
+    if req.logit_bias:
+        check_token_ids(req.logit_bias, state.vocab_size, "logit_bias")
+
+
+def template_message(message: ChatMessage) -> dict:
+    data = msgspec.to_builtins(message)
+    if data["role"] == "developer":  # OpenAI's newer name for the system turn
+        data["role"] = "system"
+    return data
+
+
+def chat_tools(req: ChatRequest) -> tuple[list[dict] | None, str]:
+    """(tools for the template, forced answer prefix); no tools at all with tool_choice none."""
+    if not req.tools or req.tool_choice == "none":
+        return None, ""
+    specs = [
+        tools.tool_spec(t.function.name, t.function.description, t.function.parameters)
+        for t in req.tools
+    ]
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in req.tools]
+        if choice.function.name not in names:
+            raise bad_request(
+                f"tool_choice names `{choice.function.name}`, which is not among tools {names}.",
+                "tool_choice",
+            )
+        return specs, tools.forced_prefix(True, choice.function.name)
+    return specs, tools.forced_prefix(choice == "required")
+
+
+# ---------------------------------------------------------------- engine output -> response
+
+
+def usage_of(usages: list, per_prompt: int) -> Usage:
+    """Usage of all choices: each prompt counts once (choices share it), completions add up."""
+    firsts = [u for u in usages[::per_prompt] if u is not None]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    cached = sum(u.cached_tokens for u in firsts)
+    completion = sum(u.completion_tokens for u in usages if u is not None)
+    return Usage(prompt, completion, prompt + completion, {"cached_tokens": cached})
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    if reason == "stop" and called:
+        return "tool_calls"
+    return "stop" if reason == "abort" else reason
+
+
+def chat_logprobs(tokenizer, entries: list[dict] | None, top: int | None):
+    if top is None or not entries:
+        return None
+    content = []
+    for entry in entries:
+        text = token_text(tokenizer, entry["token_id"])
+        alternatives = [
+            TopLogprob(t, finite(lp), list(t.encode()))
+            for t, lp in ((token_text(tokenizer, i), lp) for i, lp in entry["top"][:top])
+        ]
+        content.append(
+            TokenLogprob(text, finite(entry["logprob"]), list(text.encode()), alternatives)
+        )
+    return ChoiceLogprobs(content)
+
+
+def raise_if_failed(outcomes: list[Outcome]) -> None:
+    for outcome in outcomes:
+        if outcome.finish_reason == "error":
+            raise APIError(500, f"Generation failed: {outcome.error}")
+
+
+def chat_choice(
+    i: int, outcome: Outcome, tokenizer, parse_tools: bool, prefix: str, top
+) -> ChatChoice:
+    content, calls = outcome.text, []
+    if parse_tools:
+        content, calls = tools.parse(prefix + outcome.text)
+    tool_calls = [ToolCall(tools.call_id(), FunctionCall(c.name, c.arguments)) for c in calls]
+    message_text = (content.strip() or None) if tool_calls else content
+    return ChatChoice(
+        index=i,
+        message=AssistantMessage(message_text, tool_calls=tool_calls or None),
+        finish_reason=finish_reason(outcome.finish_reason, bool(calls)),
+        logprobs=chat_logprobs(tokenizer, outcome.logprobs, top),
+    )
+
+
+def error_event(message: str) -> bytes:
+    return sse.data(openai_body(APIError(500, f"Generation failed: {message}")))
+
+
+class ChatStream(msgspec.Struct):
+    """What the chat SSE writer needs besides the events."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    parse_tools: bool
+    prefix: str
+    top_logprobs: int | None
+    include_usage: bool
+
+
+async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[bytes]:
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse.data(ChatChunk(spec.id, spec.created, spec.model, choices, usage))
+
+    pending, calls_made, usages = [spec.prefix] * spec.n, [0] * spec.n, [None] * spec.n
+    async with contextlib.aclosing(events):
+        for i in range(spec.n):
+            yield chunk([ChunkChoice(i, Delta(role="assistant", content=""))])
+        async for i, event in events:
+            if event.finish_reason == "error":
+                yield error_event(event.error or "unknown error")
+                return
+            text, calls = event.text, ()
+            if spec.parse_tools:
+                step = tools.feed(pending[i], event.text)
+                text, calls, pending[i] = step.text, step.calls, step.pending
+                if event.finish_reason is not None:
+                    last = tools.finish(pending[i])
+                    text, calls = text + last.text, calls + last.calls
+            deltas = [
+                ToolCallDelta(calls_made[i] + k, tools.call_id(), FunctionCall(c.name, c.arguments))
+                for k, c in enumerate(calls)
+            ]
+            calls_made[i] += len(calls)
+            logprobs = chat_logprobs(tokenizer, event.logprobs, spec.top_logprobs)
+            if text or deltas or logprobs:
+                delta = Delta(content=text or None, tool_calls=deltas or None)
+                yield chunk([ChunkChoice(i, delta, logprobs=logprobs)])
+            if event.finish_reason is not None:
+                usages[i] = event.usage
+                reason = finish_reason(event.finish_reason, calls_made[i] > 0)
+                yield chunk([ChunkChoice(i, Delta(), finish_reason=reason)])
+    if spec.include_usage:
+        yield chunk([], usage_of(usages, spec.n))
+    yield sse.DONE
+
+
+async def chat_completions(state: AppState, body: bytes) -> Response:
+    req = decode(_chat_decoder, body)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    check_sampling(state, req, top)
+    specs, prefix = chat_tools(req)
+    messages = [template_message(m) for m in req.messages]
+    prompt = chat_prompt(state.tokenizer, messages, specs, prefix)
+    requested = req.max_completion_tokens or req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    budget = token_budget(
+        len(prompt), requested, state.context, state.serve_cfg.default_max_tokens, param, "messages"
+    )
+    kwargs = choice_kwargs(sampling_kwargs(req, budget, top), req.n)
+    events = await open_choices(state.engine, [(prompt, k) for k in kwargs], state.metrics)
+    spec = ChatStream(
+        new_id("chatcmpl-"),
+        now(),
+        state.model_name,
+        req.n,
+        specs is not None,
+        prefix,
+        top,
+        bool(req.stream_options and req.stream_options.include_usage),
+    )
+    if req.stream:
+        return sse.EventStream(chat_events(events, spec, state.tokenizer), events)
+    outcomes = await collect(events, req.n)
+    raise_if_failed(outcomes)
+    choices = [
+        chat_choice(i, o, state.tokenizer, spec.parse_tools, prefix, top)
+        for i, o in enumerate(outcomes)
+    ]
+    usage = usage_of([o.usage for o in outcomes], req.n)
+    return json_response(ChatCompletion(spec.id, spec.created, spec.model, choices, usage))
+
+
+# ---------------------------------------------------------------- text completions
+
+
+def legacy_logprobs(tokenizer, entries: list[dict] | None, top: int | None, offset: int):
+    if top is None or not entries:
+        return None
+    texts = [token_text(tokenizer, e["token_id"]) for e in entries]
+    offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    return LegacyLogprobs(
+        tokens=texts,
+        token_logprobs=[finite(e["logprob"]) for e in entries],
+        top_logprobs=[
+            {token_text(tokenizer, i): finite(lp) for i, lp in e["top"][:top]} for e in entries
+        ],
+        text_offset=offsets,
+    )
+
+
+async def completion_events(events, head: TextCompletion, texts, req, top, tokenizer):
+    """`head` carries id/created/model; `texts` the prompt text per choice when echoing."""
+    offsets, echoed = [len(t) for t in texts], [False] * len(texts)
+    usages = [None] * len(texts)
+    async with contextlib.aclosing(events):
+        async for i, event in events:
+            if event.finish_reason == "error":
+                yield error_event(event.error or "unknown error")
+                return
+            text = ("" if echoed[i] else texts[i]) + event.text
+            echoed[i] = True
+            logprobs = legacy_logprobs(tokenizer, event.logprobs, top, offsets[i])
+            offsets[i] += len(event.text)
+            reason = finish_reason(event.finish_reason, False)
+            if event.finish_reason is not None:
+                usages[i] = event.usage
+            choice = TextChoice(i, text, reason, logprobs)
+            yield sse.data(TextCompletion(head.id, head.created, head.model, [choice]))
+    if req.stream_options and req.stream_options.include_usage:
+        usage = usage_of(usages, req.n)
+        yield sse.data(TextCompletion(head.id, head.created, head.model, [], usage))
+    yield sse.DONE
+
+
+async def completions(state: AppState, body: bytes) -> Response:
+    req = decode(_completion_decoder, body)
+    top = req.logprobs
+    check_sampling(state, req, top)
+    prompts = prompt_ids(state.tokenizer, req.prompt, state.vocab_size, "prompt")
+    if len(prompts) * req.n > state.serve_cfg.max_n:
+        raise bad_request(
+            f"{len(prompts)} prompts x n={req.n} choices is more than this server's "
+            f"{state.serve_cfg.max_n} choices per request.",
+            "n",
+        )
+    requests = []
+    for ids in prompts:
+        budget = token_budget(
+            len(ids), req.max_tokens, state.context, COMPLETIONS_DEFAULT_MAX_TOKENS,
+            "max_tokens", "prompt",
+        )  # fmt: skip
+        kwargs = sampling_kwargs(req, budget, top)
+        requests += [(ids, k) for k in choice_kwargs(kwargs, req.n)]
+    events = await open_choices(state.engine, requests, state.metrics)
+    texts = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in requests]
+    head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
+    if req.stream:
+        body = completion_events(events, head, texts, req, top, state.tokenizer)
+        return sse.EventStream(body, events)
+    outcomes = await collect(events, len(requests))
+    raise_if_failed(outcomes)
+    head.choices = [
+        TextChoice(
+            i,
+            texts[i] + o.text,
+            finish_reason(o.finish_reason, False),
+            legacy_logprobs(state.tokenizer, o.logprobs, top, len(texts[i])),
+        )
+        for i, o in enumerate(outcomes)
+    ]
+    head.usage = usage_of([o.usage for o in outcomes], req.n)
+    return json_response(head)

@@ -1,0 +1,133 @@
+"""Engine streams for one HTTP request: submitted, read together, measured, collected.
+
+A request with n choices submits n engine requests of the same prompt (they share the prompt's
+pages through the prefix cache). Submission happens before any HTTP header is sent, so a
+refused request (prompt too long, overloaded) is still an HTTP error. Closing `Choices`
+cancels every engine request that has not finished, which frees its pages: the app closes it
+after every response, also when the client went away mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from msgspec import Struct, field
+
+from astrai.infer import Overloaded, PromptTooLong
+from astrai.serve.errors import bad_request, overloaded
+from astrai.serve.metrics import Metrics, count_usage, observe
+
+Event = Any  # astrai.infer.StreamEvent
+
+
+class Choices:
+    """The engine streams of one request's choices, read as one stream of (index, event) in
+    the order events arrive, with latency and usage recorded in `metrics` on the way."""
+
+    def __init__(self, streams: list[AsyncIterator[Event]], metrics: Metrics, since: float):
+        self.streams, self.metrics, self.since = streams, metrics, since
+        self.pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+        self.ready: list[tuple[int, Event]] = []
+        self.last_token: dict[int, float] = {}
+
+    def __aiter__(self) -> Choices:
+        return self
+
+    async def __anext__(self) -> tuple[int, Event]:
+        while not self.ready:
+            if not self.pending:
+                raise StopAsyncIteration
+            done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = self.pending.pop(task)
+                with contextlib.suppress(StopAsyncIteration):
+                    self.ready.append((i, task.result()))
+                    self.pending[asyncio.ensure_future(anext(self.streams[i]))] = i
+        i, event = self.ready.pop(0)
+        self._measure(i, event)
+        return i, event
+
+    def _measure(self, i: int, event: Event) -> None:
+        t, n, m = time.monotonic(), len(event.token_ids or ()), self.metrics
+        if n and i in self.last_token:
+            observe(m.inter_token_latency, (t - self.last_token[i]) / n, n)
+        elif n:
+            observe(m.time_to_first_token, t - self.since)
+        if n:
+            self.last_token[i] = t
+        if event.finish_reason is not None:
+            observe(m.request_latency, t - self.since)
+            if event.usage is not None:
+                u = event.usage
+                count_usage(m, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+
+    async def aclose(self) -> None:
+        """Cancel what is unfinished; safe to call more than once, also while being cancelled."""
+        with anyio.CancelScope(shield=True):
+            for task in self.pending:
+                task.cancel()
+            # a stream cannot be closed while a task is still inside it
+            await asyncio.gather(*self.pending, return_exceptions=True)
+            self.pending = {}
+            for stream in self.streams:
+                await stream.aclose()
+
+
+async def _started(streams: list, metrics: Metrics, since: float) -> Choices:
+    choices = Choices(streams, metrics, since)
+    # One turn of the loop lets every stream reach its first wait; from then on closing a
+    # stream cancels its engine request (a stream closed before it started would not).
+    await asyncio.sleep(0)
+    return choices
+
+
+async def open_choices(engine, requests: list[tuple[list[int], dict]], metrics: Metrics) -> Choices:
+    """Submit one engine request per (prompt ids, sampling kwargs)."""
+    since, streams = time.monotonic(), []
+    try:
+        for prompt, sampling in requests:
+            streams.append(engine.astream(prompt, **sampling))
+    except BaseException as exc:
+        await (await _started(streams, metrics, since)).aclose()
+        if isinstance(exc, PromptTooLong):
+            raise bad_request(str(exc), "max_tokens", "context_length_exceeded") from None
+        if isinstance(exc, Overloaded):
+            raise overloaded(str(exc)) from None
+        if isinstance(exc, ValueError):  # sampling arguments the engine refuses
+            raise bad_request(str(exc)) from None
+        raise
+    return await _started(streams, metrics, since)
+
+
+class Outcome(Struct):
+    """One choice, collected whole."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason_text: str | None = None
+    usage: Any = None
+    error: str | None = None
+
+
+def add_event(outcome: Outcome, event: Event) -> None:
+    outcome.text += event.text
+    outcome.token_ids += event.token_ids or ()
+    outcome.logprobs += event.logprobs or ()
+    if event.finish_reason is not None:
+        outcome.finish_reason, outcome.usage = event.finish_reason, event.usage
+        outcome.stop_reason_text, outcome.error = event.stop_reason_text, event.error
+
+
+async def collect(choices: Choices, n: int) -> list[Outcome]:
+    outcomes = [Outcome() for _ in range(n)]
+    async with contextlib.aclosing(choices):
+        async for i, event in choices:
+            add_event(outcomes[i], event)
+    return outcomes

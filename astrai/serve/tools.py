@@ -1,0 +1,114 @@
+"""Tool calls in model output: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+This is the form the default chat template asks for (Hermes / Qwen style). Parsing is a pure
+step function over text deltas, so streaming and whole-text parsing are the same code: text
+that might be the start of a tag is held back until it is clearly not one, and a call is
+emitted once its closing tag arrives (or the output ends).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from msgspec import Struct
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ParsedCall(Struct, frozen=True):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class Step(Struct, frozen=True):
+    text: str  # content to show now
+    calls: tuple[ParsedCall, ...]
+    pending: str  # held back: a possible tag start, or an unfinished call
+
+
+def call_id(prefix: str = "call_") -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def parse_call(body: str) -> ParsedCall | None:
+    """The JSON between the tags -> a call, or None when it is not one."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get("arguments", data.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(data["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _partial_tag_at_end(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def feed(pending: str, delta: str) -> Step:
+    """Held-back text + a new delta -> what can be shown, finished calls, what stays held."""
+    buf, text, calls = pending + delta, [], []
+    while True:
+        start = buf.find(OPEN)
+        if start < 0:
+            keep = _partial_tag_at_end(buf)
+            text.append(buf[: len(buf) - keep])
+            return Step("".join(text), tuple(calls), buf[len(buf) - keep :])
+        text.append(buf[:start])
+        end = buf.find(CLOSE, start)
+        if end < 0:
+            return Step("".join(text), tuple(calls), buf[start:])
+        call = parse_call(buf[start + len(OPEN) : end])
+        if call is None:  # not a call after all: show it as it was written
+            text.append(buf[start : end + len(CLOSE)])
+        else:
+            calls.append(call)
+        buf = buf[end + len(CLOSE) :]
+
+
+def finish(pending: str) -> Step:
+    """The output ended: an unclosed call still counts if its JSON is whole."""
+    if pending.startswith(OPEN):
+        call = parse_call(pending[len(OPEN) :])
+        if call is not None:
+            return Step("", (call,), "")
+    return Step(pending, (), "")
+
+
+def parse(text: str) -> tuple[str, list[ParsedCall]]:
+    """Whole output -> (content, calls)."""
+    step = feed("", text)
+    last = finish(step.pending)
+    return step.text + last.text, [*step.calls, *last.calls]
+
+
+def forced_prefix(required: bool, name: str | None = None) -> str:
+    """Text the answer starts with so that the model must call a tool: a required call opens
+    the tag, a named one also writes the name. The model cannot refuse a call it is already
+    writing; without constrained decoding this is as close as we get."""
+    if name is not None:
+        return OPEN + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+    return OPEN + '\n{"name": "' if required else ""
+
+
+def tool_spec(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A tool as the chat template sees it: OpenAI's function shape, whichever API sent it, so
+    the same tools render the same prompt from either API."""
+    function: dict = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters if parameters is not None else {"type": "object"}
+    return {"type": "function", "function": function}
