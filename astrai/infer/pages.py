@@ -1,0 +1,79 @@
+"""The KV page pool: K/V entries for every layer in fixed-size pages, plus reference counts.
+
+The pool is a pytree `{"k": [L, pages, page_size, *k], "v": [L, pages, page_size, *v],
+"refs": int32 [pages]}` with per-token shapes from `kv_shapes(cfg)`, so an MLA pool holds the
+compressed latent and the rope key, not expanded K/V. A page with refs == 0 is free; every
+holder (a running sequence, the prefix cache) counts once.
+
+All functions here take the pool and return it. The pool is donated: buffers are updated in
+place for speed, so the caller must use the returned pool and never the one it passed in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from astrai.config import ModelConfig
+from astrai.model import kv_shapes
+
+Pool = dict[str, torch.Tensor]
+
+
+class OutOfPages(RuntimeError):
+    """The pool has fewer free pages than asked for."""
+
+
+def init_pages(
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Pool:
+    """An empty pool of `num_pages` pages of `page_size` tokens, every page free."""
+    if num_pages <= 0 or page_size <= 0:
+        raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+    k_shape, v_shape = kv_shapes(cfg)
+    L = cfg.num_hidden_layers
+    return {
+        "k": torch.zeros(L, num_pages, page_size, *k_shape, dtype=dtype, device=device),
+        "v": torch.zeros(L, num_pages, page_size, *v_shape, dtype=dtype, device=device),
+        "refs": torch.zeros(num_pages, dtype=torch.int32),
+    }
+
+
+def page_size_of(pool: Pool) -> int:
+    return pool["k"].shape[2]
+
+
+def num_free_pages(pool: Pool) -> int:
+    return int((pool["refs"] == 0).sum())
+
+
+def alloc_pages(pool: Pool, n: int) -> tuple[Pool, list[int] | None]:
+    """Take n free pages (refs 0 -> 1). Returns (pool, pages), or (pool, None) when fewer than
+    n pages are free: nothing is taken then, and the caller decides what to give up."""
+    free = torch.nonzero(pool["refs"] == 0).flatten()
+    if len(free) < n:
+        return pool, None
+    pages = free[:n]
+    pool["refs"][pages] = 1
+    return pool, pages.tolist()
+
+
+def share_pages(pool: Pool, pages: list[int]) -> Pool:
+    """One more holder for each page (refs + 1); a shared page is freed by its last holder."""
+    index = torch.as_tensor(pages, dtype=torch.long)
+    if len(index) and bool((pool["refs"][index] <= 0).any()):
+        raise ValueError(f"cannot share free pages: {pages}")
+    pool["refs"].index_add_(0, index, torch.ones(len(index), dtype=torch.int32))
+    return pool
+
+
+def free_pages(pool: Pool, pages: list[int]) -> Pool:
+    """One holder fewer for each page (refs - 1); pages reaching 0 are free again."""
+    index = torch.as_tensor(pages, dtype=torch.long)
+    if len(index) and bool((pool["refs"][index] <= 0).any()):
+        raise ValueError(f"double free: some of {pages} are already free")
+    pool["refs"].index_add_(0, index, torch.full((len(index),), -1, dtype=torch.int32))
+    return pool
