@@ -1,0 +1,172 @@
+"""Paged prefill and decode: the model's layers attending over K/V stored in the page pool.
+
+A page table row lists the pages of one sequence in order: token position p lives in page
+`page_table[b, p // page_size]` at offset `p % page_size`. Entries past a sequence's end may
+hold any valid page index; the attention mask hides them.
+
+Both functions donate the pool: new K/V are written into its buffers in place with index
+operations, and the same pool comes back. Use the returned pool, never the one passed in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from astrai.config import ModelConfig
+from astrai.infer.pages import Pool, page_size_of
+from astrai.model import embed, lm_head, rope_tables
+from astrai.model.attention import attention_layer, gqa_qkv
+from astrai.model.layers import linear, rms_norm, swiglu
+from astrai.model.moe import moe
+
+Params = dict[str, torch.Tensor]
+
+
+def prepare_params(params: Params, cfg: ModelConfig) -> Params:
+    """The same weights laid out for fast inference on a CPU: a new params dict, same keys and
+    shapes, in which every matrix is a transposed view of [in, out]-contiguous storage.
+
+    `F.linear(x, W)` with such a W runs as `x @ Wt` over contiguous memory, which is much faster
+    for few rows (decode) on this class of CPU. With tied embeddings the head gets its own
+    transposed copy, so the embedding lookup keeps reading whole rows. The result is for
+    inference only; train on the canonical params.
+    """
+
+    def transposed(w: torch.Tensor) -> torch.Tensor:
+        return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    prepared = {}
+    for key, w in params.items():
+        is_matrix = w.dim() >= 2 and key != "model.embed_tokens.weight"
+        prepared[key] = transposed(w) if is_matrix else w
+    if "lm_head.weight" not in params:
+        prepared["lm_head.weight"] = transposed(params["model.embed_tokens.weight"])
+    return prepared
+
+
+def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora):
+    """Run the layers over tokens [B, T] at positions [B, T], writing the K/V of the valid
+    tokens into the pool and attending over each sequence's pages up to its position."""
+    ps = page_size_of(pool)
+    device = pool["k"].device
+    num_slots = pool["k"].shape[1] * ps
+    width = page_table.shape[1]
+    # Only the pages that some sequence in the batch reaches are gathered.
+    used = int(positions.max()) // ps + 1
+    if used > width:
+        raise ValueError(f"position {int(positions.max())} is past the page table ({width} pages)")
+    table = page_table[:, :used].to(device=device, dtype=torch.long)
+    slots = table.gather(1, positions // ps) * ps + positions % ps
+    if valid is not None:
+        slots = slots[valid]
+    else:
+        slots = slots.flatten()
+    key_pos = torch.arange(used * ps, device=device)
+    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+
+    def store(layer, k_new, v_new):
+        k_layer, v_layer = pool["k"][layer], pool["v"][layer]
+        k_rows = k_new[valid] if valid is not None else k_new.flatten(0, 1)
+        v_rows = v_new[valid] if valid is not None else v_new.flatten(0, 1)
+        k_layer.view(num_slots, *k_layer.shape[2:]).index_copy_(0, slots, k_rows.to(k_layer.dtype))
+        v_layer.view(num_slots, *v_layer.shape[2:]).index_copy_(0, slots, v_rows.to(v_layer.dtype))
+        k_all = k_layer[table].flatten(1, 2)
+        v_all = v_layer[table].flatten(1, 2)
+        return k_all.to(k_new.dtype), v_all.to(v_new.dtype)
+
+    x = embed(params, cfg, tokens)
+    rope = rope_tables(cfg, positions)
+    for i in range(cfg.num_hidden_layers):
+        x = _layer(params, cfg, i, x, rope, store, mask, lora)
+    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
+
+
+# The layer loop mirrors `decode_layers` in astrai/model/forward.py, built from the same layer
+# functions; only grouped-query attention differs (see `_grouped_attention`). The equivalence
+# tests compare the two on every attention and FFN kind.
+
+
+def _layer(params, cfg, i, x, rope, store, mask, lora):
+    p = f"model.layers.{i}"
+    h = rms_norm(x, params[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
+    if cfg.attn_type == "gqa":
+        x = x + _grouped_attention(params, cfg, i, h, rope, store, mask, lora)
+    else:
+        x = x + attention_layer(params, cfg, i, h, rope, store, mask, True, lora)
+    h = rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    if cfg.is_moe_layer(i):
+        return x + moe(params, cfg, f"{p}.mlp", h, lora)[0]
+    return x + swiglu(params, f"{p}.mlp", h, lora)
+
+
+def _grouped_attention(params, cfg, i, x, rope, store, mask, lora):
+    """GQA with the query heads of each K/V head stacked as extra query rows, so the stored
+    K/V are read once per K/V head instead of being repeated for every query head (copying
+    them dominated batched decode)."""
+    prefix = f"model.layers.{i}.self_attn"
+    q, k_new, v_new, gate = gqa_qkv(params, cfg, prefix, x, *rope, lora)
+    k, v = store(i, k_new, v_new)  # [B, S, Hkv, D]
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    q = q.transpose(1, 2).reshape(B, Hkv, G * T, D)  # query head h uses K/V head h // G
+    rows_mask = mask if T == 1 else mask.repeat(1, 1, G, 1)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=rows_mask)
+    o = o.view(B, H, T, D).transpose(1, 2)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return linear(params, f"{prefix}.o_proj", o.reshape(B, T, H * D), lora)
+
+
+def prefill(
+    params: Params,
+    cfg: ModelConfig,
+    pool: Pool,
+    tokens: torch.Tensor,
+    page_table: torch.Tensor,
+    start_pos: torch.Tensor | int,
+    lengths: torch.Tensor | None = None,
+    lora: dict | None = None,
+) -> tuple[torch.Tensor, Pool]:
+    """Feed a batch of prompt chunks and return the logits after each chunk's last token.
+
+    tokens [B, T] (right-padded; `lengths` [B] gives each row's real length, default T);
+    page_table [B, W] must already hold pages for positions start_pos .. start_pos + length - 1;
+    start_pos (int or [B]) is where each chunk begins, e.g. after a cached prefix or an earlier
+    chunk. Returns (logits [B, vocab] float32, pool). The pool is donated.
+    """
+    B, T = tokens.shape
+    device = tokens.device
+    start = torch.as_tensor(start_pos, dtype=torch.long, device=device).expand(B)
+    positions = start[:, None] + torch.arange(T, device=device)
+    valid = None
+    last = torch.full((B,), T - 1, dtype=torch.long, device=device)
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+        if bool((lengths < T).any()):
+            valid = torch.arange(T, device=device)[None, :] < lengths[:, None]
+            # padded rows sit at their row's last real position: they see only real keys
+            positions = torch.minimum(positions, (start + lengths - 1)[:, None])
+        last = lengths - 1
+    hidden = _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
+    hidden = hidden[torch.arange(B, device=device), last]
+    return lm_head(params, cfg, hidden).float(), pool
+
+
+def decode_step(
+    params: Params,
+    cfg: ModelConfig,
+    pool: Pool,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    lora: dict | None = None,
+) -> tuple[torch.Tensor, Pool]:
+    """One new token per sequence: tokens [B] at positions [B] -> (logits [B, vocab], pool).
+
+    page_table [B, W] must already hold the page for each position. The pool is donated."""
+    hidden = _paged_layers(
+        params, cfg, pool, tokens[:, None], positions[:, None], page_table, None, lora
+    )
+    return lm_head(params, cfg, hidden[:, 0]).float(), pool

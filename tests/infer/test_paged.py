@@ -1,0 +1,105 @@
+"""prefill / decode_step over the page pool give the logits of a full forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from infer_models import CONFIGS, make_model
+
+import astrai as ai
+from astrai.infer import alloc_pages, decode_step, init_pages, prefill, prepare_params
+
+PAGE_SIZE = 4
+
+
+def shuffled_table(pool, rows: int, width: int, seed: int = 0):
+    """A page table whose pages are scattered over the pool, as after much alloc and free."""
+    pool, pages = alloc_pages(pool, rows * width)
+    order = torch.randperm(len(pages), generator=torch.Generator().manual_seed(seed))
+    return pool, torch.tensor(pages)[order].view(rows, width)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_prefill_then_decode_matches_forward(kind):
+    params, cfg = make_model(kind)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(1))
+    full = ai.forward(params, cfg, tokens)
+    pool = init_pages(cfg, 16, PAGE_SIZE)
+    pool, table = shuffled_table(pool, 1, 4)
+    logits, pool = prefill(params, cfg, pool, tokens[:, :9], table, 0)
+    torch.testing.assert_close(logits, full[:, 8], atol=1e-4, rtol=1e-4)
+    for t in range(9, 14):
+        logits, pool = decode_step(params, cfg, pool, tokens[:, t], torch.tensor([t]), table)
+        torch.testing.assert_close(logits, full[:, t], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_chunked_prefill_equals_one_shot(kind):
+    params, cfg = make_model(kind)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 13), generator=torch.Generator().manual_seed(2))
+    pool = init_pages(cfg, 16, PAGE_SIZE)
+    pool, table = shuffled_table(pool, 1, 4)
+    one_shot, pool = prefill(params, cfg, pool, tokens, table, 0)
+    for start, end in [(0, 5), (5, 6), (6, 13)]:
+        chunked, pool = prefill(params, cfg, pool, tokens[:, start:end], table, start)
+    torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "moe"])
+def test_padded_batch_equals_each_row_alone(kind):
+    params, cfg = make_model(kind)
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 3, 10]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    batch = torch.zeros(3, 10, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, : len(p)] = p
+    pool = init_pages(cfg, 32, PAGE_SIZE)
+    pool, table = shuffled_table(pool, 3, 4)
+    logits, pool = prefill(params, cfg, pool, batch, table, 0, lengths=torch.tensor(lengths))
+    next_tokens = logits.argmax(-1)
+    step, pool = decode_step(params, cfg, pool, next_tokens, torch.tensor(lengths), table)
+    for i, p in enumerate(prompts):
+        seq = torch.cat([p, next_tokens[i : i + 1]])[None]
+        full = ai.forward(params, cfg, seq)
+        torch.testing.assert_close(logits[i], full[0, -2], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step[i], full[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_after_cached_prefix_and_per_row_start():
+    params, cfg = make_model("gqa")
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
+    pool = init_pages(cfg, 32, PAGE_SIZE)
+    pool, table = shuffled_table(pool, 2, 3)
+    # row 0 has 8 tokens of K/V already, row 1 has 4; feed the rest as one padded chunk
+    _, pool = prefill(params, cfg, pool, a[None, :8], table[:1], 0)
+    _, pool = prefill(params, cfg, pool, b[None, :4], table[1:], 0)
+    chunk = torch.stack([torch.cat([a[8:], torch.zeros(4, dtype=torch.long)]), b[4:]])
+    logits, pool = prefill(
+        params, cfg, pool, chunk, table, torch.tensor([8, 4]), lengths=torch.tensor([4, 8])
+    )
+    torch.testing.assert_close(
+        logits[0], ai.forward(params, cfg, a[None])[0, -1], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        logits[1], ai.forward(params, cfg, b[None])[0, -1], atol=1e-4, rtol=1e-4
+    )
+
+
+def test_prepared_params_give_the_same_logits():
+    params, cfg = make_model("gqa")
+    prepared = prepare_params(params, cfg)
+    assert prepared.keys() - params.keys() == {"lm_head.weight"}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(
+        ai.forward(prepared, cfg, tokens), ai.forward(params, cfg, tokens), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_position_past_the_page_table_is_an_error():
+    params, cfg = make_model("gqa")
+    pool = init_pages(cfg, 8, PAGE_SIZE)
+    pool, table = shuffled_table(pool, 1, 2)
+    with pytest.raises(ValueError, match="page table"):
+        decode_step(params, cfg, pool, torch.tensor([1]), torch.tensor([8]), table)
