@@ -1,0 +1,176 @@
+"""Sampling: the next token from logits, with per-row settings as tensors.
+
+`sample` is a pure function of the logits, the settings and the random generators, applied in
+this order: penalties over recent tokens, logit bias, temperature (0 = greedy), top-k, top-p,
+min-p, then one uniform draw per row. Each row may have its own `torch.Generator`, so a request
+with a seed gives the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one request is sampled and when it stops (the keyword arguments of Engine calls)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # CTRL-style: divides positive logits of recent tokens
+    frequency_penalty: float = 0.0  # OpenAI-style: minus penalty x count in the window
+    presence_penalty: float = 0.0  # OpenAI-style: minus penalty once per token in the window
+    penalty_window: int = 64  # how many recent tokens (prompt and output) the penalties see
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []  # added to the tokenizer's stop ids
+    ignore_eos: bool = False  # True: only stop_token_ids stop, not the tokenizer's
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.penalty_window >= 0, "penalty_window must be >= 0"),
+            (self.top_logprobs >= 0, "top_logprobs must be >= 0"),
+            (all(self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        ) and self.penalty_window > 0
+
+
+def sampling_params(**kwargs) -> SamplingParams:
+    """SamplingParams from keyword arguments, with errors that name the wrong argument."""
+    try:
+        return msgspec.convert(kwargs, SamplingParams, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad sampling argument: {exc}".replace("$.", "")) from None
+
+
+Generators = torch.Generator | list[torch.Generator | None] | None
+
+
+def _column(value, batch: int, dtype, device) -> torch.Tensor:
+    """A per-row setting (a number or a [B] tensor) as a [B, 1] column."""
+    return torch.as_tensor(value, dtype=dtype, device=device).expand(batch)[:, None]
+
+
+def _is(value, neutral) -> bool:
+    """Whether a setting is `neutral` on every row, so its stage can be skipped."""
+    if isinstance(value, torch.Tensor):
+        return bool((value == neutral).all())
+    return value == neutral
+
+
+def _uniform(generator: Generators, batch: int) -> torch.Tensor:
+    if isinstance(generator, list):
+        return torch.stack([torch.rand((), generator=g) for g in generator])
+    return torch.rand(batch, generator=generator)
+
+
+def apply_penalties(logits, recent_tokens, repetition, frequency, presence):
+    """Penalise tokens seen in recent_tokens [B, W] (-1 = empty slot). logits is changed."""
+    B, V = logits.shape
+    seen = recent_tokens >= 0
+    counts = torch.zeros(B, V, device=logits.device)
+    counts.scatter_add_(1, recent_tokens.clamp(min=0), seen.to(counts.dtype))
+    present = counts > 0
+    if not _is(repetition, 1.0):
+        rep = _column(repetition, B, logits.dtype, logits.device)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(present, penalised, logits)
+    if not _is(frequency, 0.0):
+        logits = logits - _column(frequency, B, logits.dtype, logits.device) * counts
+    if not _is(presence, 0.0):
+        logits = logits - _column(presence, B, logits.dtype, logits.device) * present
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    generator: Generators = None,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    recent_tokens: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next token ids [B] from logits [B, vocab].
+
+    Each setting is a number for the whole batch or a [B] tensor, one value per row.
+    generator: one torch.Generator for the batch, or a list with one per row (None = torch's
+    global generator). recent_tokens [B, W] (-1 = empty) are what the penalties look at;
+    logit_bias [B, vocab] is added to the logits.
+    """
+    B, V = logits.shape
+    device = logits.device
+    logits = logits.float()
+    if recent_tokens is not None and not (
+        _is(repetition_penalty, 1.0) and _is(frequency_penalty, 0.0) and _is(presence_penalty, 0.0)
+    ):
+        logits = apply_penalties(
+            logits, recent_tokens, repetition_penalty, frequency_penalty, presence_penalty
+        )
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    greedy_ids = logits.argmax(-1)
+    if _is(temperature, 0.0):
+        return greedy_ids
+    temp = _column(temperature, B, torch.float32, device)
+    logits = logits / temp.clamp(min=1e-5)
+    if not _is(top_k, 0):
+        k = _column(top_k, B, torch.long, device)
+        k = torch.where(k <= 0, V, k.clamp(max=V))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if not _is(top_p, 1.0):
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+        drop = before >= _column(top_p, B, torch.float32, device)
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    if not _is(min_p, 0.0):
+        floor = _column(min_p, B, torch.float32, device) * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    cdf = probs.cumsum(-1)
+    target = _uniform(generator, B).to(device) * cdf[:, -1]
+    sampled = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=V - 1)
+    return torch.where(temp[:, 0] == 0, greedy_ids, sampled)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities as OpenAI reports them: log_softmax of the raw logits.
+
+    Returns (logprob of each chosen token [B], top_n ids [B, n], their logprobs [B, n])."""
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(1, token_ids[:, None])[:, 0]
+    top = logp.topk(top_n, dim=-1) if top_n else None
+    if top is None:
+        empty = logp.new_zeros(len(logp), 0)
+        return chosen, empty.long(), empty
+    return chosen, top.indices, top.values

@@ -1,0 +1,102 @@
+"""sample: greedy, reproducible seeds, batch independence and the filters' invariants."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from astrai.infer import SamplingParams, sample, token_logprobs
+from astrai.infer.sampling import sampling_params
+
+
+def random_logits(batch=4, vocab=50, seed=0):
+    return torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def generators(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_temperature_zero_is_argmax():
+    logits = random_logits()
+    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+    mixed = sample(logits, generators([1, 2, 3, 4]), temperature=torch.tensor([0.0, 1, 0, 1]))
+    assert mixed[0] == logits[0].argmax() and mixed[2] == logits[2].argmax()
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    logits = random_logits(batch=3)
+    alone = [sample(logits[i : i + 1], generators([7])) for i in range(3)]
+    batched = sample(logits, generators([7, 7, 7]))
+    assert batched.tolist() == [int(a) for a in alone]
+    again = sample(logits, generators([7, 7, 7]))
+    assert torch.equal(batched, again)
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(4000, 1)
+    ids = sample(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(ids, minlength=3).float() / len(ids)
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.03, rtol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    top_k=st.integers(0, 10),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.9),
+)
+def test_filters_only_keep_allowed_tokens(seed, top_k, top_p, min_p):
+    logits = random_logits(batch=2, vocab=20, seed=seed)
+    ids = sample(logits, generators([seed, seed + 1]), top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = logits.softmax(-1)
+    for row, token in enumerate(ids.tolist()):
+        ranked = probs[row].argsort(descending=True).tolist()
+        rank = ranked.index(token)
+        if top_k:
+            assert rank < top_k
+        # the tokens more likely than the chosen one hold less than top_p of the mass
+        assert probs[row, ranked[:rank]].sum() < top_p + 1e-6
+        if top_k == 0 and min_p > 0:
+            assert probs[row, token] >= min_p * probs[row].max() - 1e-6
+
+
+def test_per_row_settings():
+    logits = random_logits(batch=2, vocab=30)
+    ids = sample(logits, generators([0, 0]), top_k=torch.tensor([1, 0]))
+    assert ids[0] == logits[0].argmax()
+
+
+def test_penalties_and_bias():
+    logits = torch.tensor([[0.5, 0.5, 1.0, 0.5, 0.5]])
+    recent = torch.tensor([[2, 2, -1]])
+    # a strong presence penalty moves greedy away from the repeated token
+    assert sample(logits, temperature=0.0, presence_penalty=2.0, recent_tokens=recent) != 2
+    assert sample(logits, temperature=0.0, frequency_penalty=0.6, recent_tokens=recent) != 2
+    assert sample(logits, temperature=0.0, repetition_penalty=1e3, recent_tokens=recent) != 2
+    bias = torch.zeros(1, 5)
+    bias[0, 4] = 10.0
+    assert sample(logits, temperature=0.0, logit_bias=bias) == 4
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = random_logits()
+    ids = logits.argmax(-1)
+    chosen, top_ids, top_lp = token_logprobs(logits, ids, top_n=3)
+    expected = logits.log_softmax(-1)
+    torch.testing.assert_close(chosen, expected.gather(1, ids[:, None])[:, 0])
+    assert torch.equal(top_ids[:, 0], ids)
+    torch.testing.assert_close(top_lp, expected.topk(3).values)
+
+
+def test_sampling_params_validate():
+    assert sampling_params(max_tokens=5, stop=["x"]) == SamplingParams(max_tokens=5, stop=["x"])
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_params(top_p=0.0)
+    with pytest.raises(ValueError, match="temperture"):
+        sampling_params(temperture=0.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        sampling_params(max_tokens="many")
