@@ -141,9 +141,13 @@ class Tokenizer:
         vocab_size: int,
         special_tokens: list[str] | None = None,
         min_frequency: int = 2,
+        split_digits: bool = False,
     ) -> Tokenizer:
         """Train a byte-level BPE tokenizer. The first special token (default "<|endoftext|>")
-        serves as bos, eos and pad; any text round-trips through encode/decode."""
+        serves as bos, eos and pad; any text round-trips through encode/decode.
+
+        split_digits keeps every digit its own token, which makes arithmetic far easier to learn.
+        """
         specials = list(CHATML_SPECIALS if special_tokens is None else special_tokens)
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + len(specials):
@@ -153,7 +157,12 @@ class Tokenizer:
             )
         backend = tokenizers.Tokenizer(models.BPE())
         # no prefix space: decode(encode(s)) must give back s exactly
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if split_digits
+            else byte_level
+        )
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,

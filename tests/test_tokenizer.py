@@ -94,6 +94,14 @@ def test_train_specials(tok):
     assert len(tok.encode("模型")) < len("模型".encode())
 
 
+def test_split_digits_gives_one_token_per_digit():
+    texts = ["12 + 345 = 357", "1000 - 1 = 999"] * 200
+    split = Tokenizer.train(texts, vocab_size=300, split_digits=True)
+    assert [split.decode([i]) for i in split.encode("1234")] == ["1", "2", "3", "4"]
+    assert split.decode(split.encode("x 12+3 = 15 😀")) == "x 12+3 = 15 😀"
+    assert len(Tokenizer.train(texts, vocab_size=300).encode("1234")) < 4
+
+
 def test_train_rejects_tiny_vocab():
     with pytest.raises(ValueError, match="vocab_size"):
         Tokenizer.train(["abc"], vocab_size=100)
