@@ -174,3 +174,61 @@ def token_logprobs(
         empty = logp.new_zeros(len(logp), 0)
         return chosen, empty.long(), empty
     return chosen, top.indices, top.values
+
+
+def sample_requests(
+    logits: torch.Tensor,
+    settings: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[list[int]],
+) -> list[tuple[int, dict | None]]:
+    """Sample one token per row, each row with its own request's settings and generator.
+
+    histories are the rows' tokens so far (for the penalty windows). Returns, per row, the
+    token id and, when the request asked for log-probs, {"token_id", "logprob", "top"}.
+    """
+
+    def per_row(name: str):
+        values = [getattr(sp, name) for sp in settings]
+        if all(v == values[0] for v in values):
+            return values[0]  # one number: stages that do nothing are skipped
+        return torch.tensor(values, device=logits.device)
+
+    recent = None
+    if any(sp.has_penalties for sp in settings):
+        windows = [
+            tokens[-sp.penalty_window :] if sp.has_penalties else []
+            for tokens, sp in zip(histories, settings)
+        ]
+        width = max(len(w) for w in windows)
+        padded = [[-1] * (width - len(w)) + w for w in windows]
+        recent = torch.tensor(padded, device=logits.device)
+    bias = None
+    if any(sp.logit_bias for sp in settings):
+        bias = torch.zeros_like(logits)
+        for row, sp in enumerate(settings):
+            for token, value in (sp.logit_bias or {}).items():
+                bias[row, token] = value
+    ids = sample(
+        logits,
+        generators,
+        temperature=per_row("temperature"),
+        top_k=per_row("top_k"),
+        top_p=per_row("top_p"),
+        min_p=per_row("min_p"),
+        repetition_penalty=per_row("repetition_penalty"),
+        frequency_penalty=per_row("frequency_penalty"),
+        presence_penalty=per_row("presence_penalty"),
+        recent_tokens=recent,
+        logit_bias=bias,
+    )
+    id_list = ids.tolist()
+    logprobs: list[dict | None] = [None] * len(settings)
+    if any(sp.logprobs for sp in settings):
+        top_n = max(sp.top_logprobs for sp in settings)
+        chosen, top_ids, top_lp = (t.tolist() for t in token_logprobs(logits, ids, top_n))
+        for row, sp in enumerate(settings):
+            if sp.logprobs:
+                top = list(zip(top_ids[row], top_lp[row]))[: sp.top_logprobs]
+                logprobs[row] = {"token_id": id_list[row], "logprob": chosen[row], "top": top}
+    return list(zip(id_list, logprobs))

@@ -1,0 +1,191 @@
+"""Continuous batching as plain Python state: which sequences run, which wait, who gets pages.
+
+Every step, `plan_step` admits waiting sequences, gives each running sequence the pages its
+next tokens need and decides what the step computes: one token for each decoding sequence and
+prompt chunks, within a token budget, for the sequences still prefilling. Long prompts thus
+advance a chunk per step while running streams keep decoding. When pages run out, cached pages
+nobody uses are evicted first, then the newest running sequence is preempted: its pages are
+freed and it waits again at the front of the queue, to be recomputed from its tokens later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from astrai.infer.pages import Pool, alloc_pages, free_pages, num_free_pages, share_pages
+from astrai.infer.radix import (
+    PrefixCache,
+    evict,
+    init_prefix_cache,
+    insert_prefix,
+    match_prefix,
+)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and the pages holding their K/V."""
+
+    id: str
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    arrival: int = 0  # admission order; the newest running sequence is preempted first
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose K/V are in `pages`
+    cached_tokens: int = -1  # prompt tokens the prefix cache gave at first admission
+    preemptions: int = 0
+    data: Any = None  # whatever the caller keeps with the sequence
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed; 1 means the sequence is decoding."""
+        return len(self.tokens) - self.computed
+
+
+@dataclass(eq=False)
+class Scheduler:
+    pool: Pool
+    cache: PrefixCache | None
+    page_size: int
+    max_batch: int
+    prefill_chunk: int
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)  # in arrival order
+    arrivals: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence]  # feed one token each
+    prefill: list[tuple[Sequence, int]]  # feed this many tokens each
+    preempted: list[Sequence]
+
+
+def init_scheduler(
+    pool: Pool, page_size: int, max_batch: int, prefill_chunk: int, prefix_cache: bool = True
+) -> Scheduler:
+    cache = init_prefix_cache(page_size) if prefix_cache else None
+    return Scheduler(pool, cache, page_size, max_batch, prefill_chunk)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def add_sequence(s: Scheduler, seq: Sequence) -> None:
+    s.waiting.append(seq)
+
+
+def available_pages(s: Scheduler) -> int:
+    """Free pages plus cached pages no sequence holds (they can be evicted)."""
+    free = num_free_pages(s.pool)
+    if s.cache is None or not s.cache.nodes:
+        return free
+    cached = torch.tensor(list(s.cache.nodes), dtype=torch.long)
+    return free + int((s.pool["refs"][cached] == 1).sum())
+
+
+def _admit(s: Scheduler) -> None:
+    while s.waiting and len(s.running) < s.max_batch:
+        seq = s.waiting[0]
+        # never the whole sequence: the last token must be fed to get the next logits
+        cached = match_prefix(s.cache, seq.tokens[:-1]) if s.cache is not None else []
+        needed = pages_for(len(seq.tokens), s.page_size) - len(cached)
+        if s.running and needed > available_pages(s):
+            break  # wait for pages rather than thrash; the oldest is always let in
+        s.waiting.popleft()
+        s.pool = share_pages(s.pool, cached)
+        seq.pages, seq.computed = list(cached), len(cached) * s.page_size
+        if seq.cached_tokens < 0:
+            seq.cached_tokens = seq.computed
+            s.prompt_tokens += seq.prompt_len
+            s.cached_tokens += seq.computed
+        if not seq.arrival:
+            s.arrivals += 1
+            seq.arrival = s.arrivals
+        s.running.append(seq)
+        s.running.sort(key=lambda q: q.arrival)
+
+
+def preempt(s: Scheduler, seq: Sequence) -> None:
+    """Give up a running sequence's pages; it waits at the front to be recomputed."""
+    s.running.remove(seq)
+    s.pool = free_pages(s.pool, seq.pages)
+    seq.pages, seq.computed = [], 0
+    seq.preemptions += 1
+    s.preemptions += 1
+    s.waiting.appendleft(seq)
+
+
+def _reserve(s: Scheduler, seq: Sequence, end: int, preempted: list[Sequence]) -> bool:
+    """Make seq's pages cover tokens [0, end), evicting and preempting newer sequences as
+    needed. False when seq itself had to be preempted."""
+    need = pages_for(end, s.page_size) - len(seq.pages)
+    while need > 0:
+        s.pool, pages = alloc_pages(s.pool, need)
+        if pages is not None:
+            seq.pages += pages
+            return True
+        if s.cache is not None:
+            s.pool, freed = evict(s.cache, s.pool, need - num_free_pages(s.pool))
+            if freed:
+                continue
+        victim = s.running[-1]
+        preempt(s, victim)
+        preempted.append(victim)
+        if victim is seq:
+            return False
+    return True
+
+
+def plan_step(s: Scheduler) -> StepPlan:
+    """Decide this step's work and reserve its pages (see the module docstring)."""
+    _admit(s)
+    preempted: list[Sequence] = []
+    decode = []
+    for seq in list(s.running):
+        # a sequence preempted earlier in this loop is no longer running
+        if seq.pending == 1 and seq in s.running and _reserve(s, seq, seq.computed + 1, preempted):
+            decode.append(seq)
+    prefill: list[tuple[Sequence, int]] = []
+    chunk = 0
+    for seq in list(s.running):
+        if seq.pending <= 1 or seq not in s.running:
+            continue
+        # rows are padded to the first chunk's length; the padded batch stays within budget
+        n = min(seq.pending, chunk or s.prefill_chunk)
+        chunk = chunk or n
+        if (len(prefill) + 1) * chunk > s.prefill_chunk:
+            break
+        if _reserve(s, seq, seq.computed + n, preempted):
+            prefill.append((seq, n))
+    decode = [seq for seq in decode if seq in s.running]
+    prefill = [(seq, n) for seq, n in prefill if seq in s.running]
+    return StepPlan(decode, prefill, preempted)
+
+
+def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> None:
+    """Retire seq: offer its computed full pages to the prefix cache, then drop its pages."""
+    if seq in s.running:
+        s.running.remove(seq)
+    elif seq in s.waiting:
+        s.waiting.remove(seq)
+    if cache and s.cache is not None and seq.pages:
+        s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+    if seq.pages:
+        s.pool = free_pages(s.pool, seq.pages)
+    seq.pages = []
+
+
+def cache_prompt(s: Scheduler, seq: Sequence) -> None:
+    """Offer a fully prefilled prompt's full pages to the prefix cache, so requests that
+    arrive while this one still runs can share them."""
+    if s.cache is not None:
+        s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
