@@ -1,0 +1,149 @@
+"""Our side: the Engine, a bare prefill + decode_step loop, forward / paged prefill, and
+train_step, each driven the way a user of the library would call it.
+
+The inference and training packages are imported inside the functions, so a section whose
+piece is missing can say so and the others still run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from astrai.bench.models import Workload
+from astrai.config import ModelConfig
+
+PAGE_SIZE = 16
+
+
+def pages_for(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE)
+
+
+def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype):
+    """An Engine sized for the workload: room for the largest batch of full sequences, so no
+    request waits for pages and nothing is preempted."""
+    from astrai.infer import Engine
+
+    max_batch = max((*work.concurrency, work.clients, 1))
+    max_len = work.prompt_len + work.new_tokens
+    return Engine(
+        params,
+        cfg,
+        tokenizer,
+        num_pages=max_batch * pages_for(max_len) + 8,
+        page_size=PAGE_SIZE,
+        max_batch=max_batch,
+        max_seq_len=pages_for(max_len) * PAGE_SIZE,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy completions of exactly new_tokens each; fails loudly if one stopped early."""
+    completions = engine.generate(prompts, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out = [c.token_ids for c in completions]
+    short = [len(ids) for ids in out if len(ids) != new_tokens]
+    if short:
+        reasons = {c.finish_reason for c in completions}
+        raise RuntimeError(f"Engine returned {short} tokens instead of {new_tokens} ({reasons})")
+    return out
+
+
+def prepared(params, cfg: ModelConfig):
+    """The weights laid out for inference, as the Engine prepares them."""
+    from astrai.infer import prepare_params
+
+    return prepare_params(params, cfg)
+
+
+@torch.inference_mode()
+def greedy_decode(params, cfg: ModelConfig, prompt: list[int], new_tokens: int) -> list[int]:
+    """The loop a user writes from the pure pieces: pages for the whole sequence, prefill the
+    prompt, then one decode_step and an argmax per token."""
+    from astrai.infer import alloc_pages, decode_step, init_pages, prefill
+
+    weight = params["model.norm.weight"]
+    device, dtype = weight.device, weight.dtype
+    n = pages_for(len(prompt) + new_tokens)
+    pool = init_pages(cfg, n, PAGE_SIZE, dtype, device)
+    pool, pages = alloc_pages(pool, n)
+    table = torch.tensor([pages], device=device)
+    logits, pool = prefill(params, cfg, pool, torch.tensor([prompt], device=device), table, 0)
+    token = logits.argmax(-1)
+    out = [token]
+    position = torch.tensor([len(prompt)], device=device)
+    for _ in range(new_tokens - 1):
+        logits, pool = decode_step(params, cfg, pool, token, position, table)
+        token = logits.argmax(-1)
+        out.append(token)
+        position += 1
+    return torch.cat(out).tolist()
+
+
+def paged_prefill_fn(params, cfg: ModelConfig, batch: int, length: int) -> Callable:
+    """tokens [batch, length] -> last logits, through the paged prefill into a pool made once
+    (each call overwrites the same pages)."""
+    from astrai.infer import alloc_pages, init_pages, prefill
+
+    weight = params["model.norm.weight"]
+    per_row = pages_for(length)
+    pool = init_pages(cfg, batch * per_row, PAGE_SIZE, weight.dtype, weight.device)
+    pool, pages = alloc_pages(pool, batch * per_row)
+    table = torch.tensor(pages, device=weight.device).view(batch, per_row)
+    state = {"pool": pool}
+
+    @torch.inference_mode()
+    def run(tokens: torch.Tensor) -> torch.Tensor:
+        logits, state["pool"] = prefill(params, cfg, state["pool"], tokens, table, 0)
+        return logits
+
+    return run
+
+
+@torch.inference_mode()
+def forward_logits(params, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    import astrai
+
+    return astrai.forward(params, cfg, tokens)
+
+
+def train_step_fn(params, cfg: ModelConfig, work: Workload, compile: bool, hyper: dict):
+    """batch -> loss through init_train_state / train_step (the state is carried inside)."""
+    from astrai.config import OptimizerConfig, ScheduleConfig, TrainConfig
+
+    init_train_state, train_step = _train_api()
+    batch = work.train[0]
+    train_cfg = TrainConfig(
+        model=cfg,
+        batch_size=batch,
+        compile=compile,
+        progress=False,
+        optimizer=OptimizerConfig(
+            lr=hyper["lr"],
+            beta1=hyper["betas"][0],
+            beta2=hyper["betas"][1],
+            weight_decay=hyper["weight_decay"],
+            max_grad_norm=hyper["max_grad_norm"],
+        ),
+        schedule=ScheduleConfig(name="constant"),
+    )
+    state = {"train": init_train_state(params, train_cfg)}
+
+    def step(batch: dict) -> float:
+        state["train"], metrics = train_step(state["train"], batch)
+        return metrics["loss"]
+
+    return step
+
+
+def _train_api():
+    """(init_train_state, train_step) from the package, or from its step module while the
+    package does not export them."""
+    try:
+        from astrai.train import init_train_state, train_step
+    except ImportError:
+        from astrai.train.step import init_train_state, train_step
+    return init_train_state, train_step

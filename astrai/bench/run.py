@@ -1,0 +1,223 @@
+"""One benchmark run: both sides load one weights folder, the chosen sections run, and
+results.json, results.md and chart.png are written to <out>/<timestamp>/."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import torch
+
+import astrai
+from astrai.bench.chart import Panel, write_chart
+from astrai.bench.models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
+from astrai.bench.report import markdown, table
+from astrai.bench.sections import SECTIONS, Bench, Skipped
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Options:
+    size: str | None = None  # None: "tiny" with quick, else "small"
+    quick: bool = False
+    only: tuple[str, ...] = ()  # () = every section
+    device: str = "auto"
+    dtype: str = "float32"
+    rounds: int | None = None
+    clients: int | None = None
+    threads: int | None = None
+    reference: bool = True
+    out: Path = Path("runs/bench")
+
+
+def selected_sections(only: tuple[str, ...]) -> list[str]:
+    """The sections to run, in their fixed order; decode brings the bandwidth it is measured
+    against."""
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    wanted = set(only or SECTIONS)
+    if "decode" in wanted:
+        wanted.add("bandwidth")
+    return [name for name in SECTIONS if name in wanted]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
+    """Run the benchmark; returns what results.json holds (plus "run_dir")."""
+    sections = selected_sections(opts.only)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    size = opts.size or ("tiny" if opts.quick else "small")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    work = QUICK if opts.quick else FULL
+    overrides = {"rounds": opts.rounds, "clients": opts.clients}
+    work = dataclasses.replace(work, **{k: v for k, v in overrides.items() if v is not None})
+    device, dtype = pick_device(opts.device), DTYPES[opts.dtype]
+    run_dir = _new_run_dir(Path(opts.out))
+    folder = model_folder(Path(opts.out), size)
+    params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=device)
+    reference, missing = _load_reference(folder, dtype, device, opts.reference)
+    if reference is None:
+        log(f"no reference: {missing}; the figures are ours alone")
+    b = Bench(size, work, device, dtype, folder, params, cfg, bench_tokenizer(cfg.vocab_size),
+              reference, missing, log)  # fmt: skip
+    status = {}
+    try:
+        for name in sections:
+            status[name] = _run_section(b, name, log)
+    finally:
+        if b.engine is not None:
+            b.engine.close()
+    results = {
+        "meta": _meta(opts, size, work, device, dtype, cfg, folder, missing),
+        "sections": status,
+        "rows": b.rows,
+        **b.extra,
+    }
+    _write(run_dir, results)
+    return {**results, "run_dir": str(run_dir)}
+
+
+def _run_section(b: Bench, name: str, log) -> dict:
+    log(f"== {name}")
+    start = time.perf_counter()
+    try:
+        SECTIONS[name](b)
+        state = "ok"
+    except (Skipped, ImportError) as exc:
+        state = f"skipped: {exc}"
+        log(state)
+    except Exception as exc:  # one broken section must not lose the others' figures
+        state = f"failed: {type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+        log(state)
+    return {"status": state, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _load_reference(folder: Path, dtype, device, wanted: bool):
+    if not wanted:
+        return None, "turned off with --no-reference"
+    if not has_transformers():
+        return None, "transformers is not installed"
+    from astrai.bench.reference import load_reference
+
+    return load_reference(folder, dtype, device), ""
+
+
+def _new_run_dir(root: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir, k = root / stamp, 1
+    while run_dir.exists():
+        run_dir, k = root / f"{stamp}-{k}", k + 1
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def _meta(opts, size, work, device, dtype, cfg, folder, missing) -> dict:
+    try:
+        import transformers
+
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    return {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "size": size,
+        "quick": opts.quick,
+        "device": str(device),
+        "device_name": _device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers_version,
+        "reference_missing": missing or None,
+        "commit": _commit(),
+        "model_folder": str(folder),
+        "model": msgspec.to_builtins(cfg),
+        "workload": dataclasses.asdict(work),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def _write(run_dir: Path, results: dict) -> None:
+    rows, meta = results["rows"], results["meta"]
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (run_dir / "results.md").write_text(markdown(rows) + "\n")
+    title = f"AstrAI bench: {meta['size']}, {meta['device']}, {meta['dtype']}, {meta['time']}"
+    write_chart(run_dir / "chart.png", title, chart_panels(rows))
+
+
+def chart_panels(rows: list[dict]) -> list[Panel]:
+    """Ratios against their references, and decode speed as a share of the roofline."""
+    ratios = [
+        (f"{r['section']}: {r['name']}" + ("" if r["reference_name"] == "transformers"
+         else f" vs {r['reference_name']}"), r["ratio"], r["target"])
+        for r in rows
+        if r.get("ratio") is not None
+    ]  # fmt: skip
+    shares = [
+        (r["name"].removesuffix(", share of roofline"), r["ours"] / 100, _share(r["target"]))
+        for r in rows
+        if r["unit"] == "%"
+    ]
+    return [
+        Panel("ours / reference, tokens per second (1.0 = same speed)", ratios, 1.0, "{:.2f}x"),
+        Panel("batch-1 decode, share of the bandwidth roofline", shares, 1.0, "{:.0%}"),
+    ]
+
+
+def _share(target: float | None) -> float | None:
+    return None if target is None else target / 100
+
+
+def summary(results: dict) -> str:
+    """What the terminal shows at the end of a run."""
+    lines = [table(results["rows"]), ""]
+    agreement = results.get("greedy_agreement")
+    if agreement:
+        shares = ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.0%}" for k, v in agreement.items())
+        lines.append(f"greedy tokens in agreement (leading share): {shares}")
+    for note in results.get("notes", []):
+        lines.append(note)
+    for name, state in results["sections"].items():
+        if state["status"] != "ok":
+            lines.append(f"{name}: {state['status']}")
+    lines.append(f"results: {results['run_dir']}/results.json, results.md, chart.png")
+    return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""The measured sections. Each takes the run's Bench, measures our side and the reference in
+interleaved rounds on the same inputs, and appends rows. A section whose piece cannot be
+imported raises ImportError (or Skipped), which the runner reports as skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from astrai.bench import ours, reference
+from astrai.bench.bandwidth import decode_bytes_per_token, roofline_tokens_per_s, stream_bandwidth
+from astrai.bench.models import Workload, random_prompts
+from astrai.bench.report import compare, figure
+from astrai.bench.timing import interleave, median, timed
+from astrai.config import ModelConfig
+
+THROUGHPUT_TARGETS = {16: 3.0, 64: 5.0}
+TRAIN_HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "max_grad_norm": 1.0}
+
+
+class Skipped(Exception):
+    """A section cannot run here; the message says why."""
+
+
+@dataclass
+class Bench:
+    """Everything one run shares: the model on both sides, the workload, and what was found."""
+
+    size: str
+    work: Workload
+    device: torch.device
+    dtype: torch.dtype
+    folder: Path
+    params: dict
+    cfg: ModelConfig
+    tokenizer: object
+    reference: object | None  # LlamaForCausalLM, or None when transformers is missing
+    reference_missing: str
+    log: Callable[[str], None]
+    rows: list[dict] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+    engine: object | None = None
+
+    def prompts(self, n: int, seed: int) -> list[list[int]]:
+        return random_prompts(n, self.work.prompt_len, self.cfg.vocab_size, seed)
+
+    def note(self, text: str) -> None:
+        """Something the reader of the results should know; printed and kept in the JSON."""
+        self.extra.setdefault("notes", []).append(text)
+        self.log(text)
+
+    def rate(self, fn: Callable, units: float) -> float:
+        """units / seconds of one call of fn."""
+        return units / timed(fn, self.device)[0]
+
+    def measure(
+        self, calls: dict[str, Callable], inputs: list, units: float, outputs=None, warm_up=True
+    ) -> dict[str, list[float]]:
+        """Warm every call up on inputs[0], then time each on inputs[r + 1] in interleaved
+        rounds -> {name: [units/s per round]}. outputs, when given, collects what the calls
+        return as outputs[name][round]."""
+        for call in calls.values() if warm_up else ():
+            call(inputs[0])  # first calls pay for thread pools and allocator growth
+
+        def side(name, call):
+            def run(r):
+                seconds, out = timed(lambda: call(inputs[r + 1]), self.device)
+                if outputs is not None:
+                    outputs.setdefault(name, {})[r] = out
+                return units / seconds
+
+            return run
+
+        return interleave(
+            {name: side(name, call) for name, call in calls.items()}, self.work.rounds
+        )
+
+
+def engine_of(b: Bench):
+    """The run's one Engine, made on first use and shared by decode, throughput and serve."""
+    if b.engine is None:
+        b.engine = ours.make_engine(b.params, b.cfg, b.tokenizer, b.work, b.device, b.dtype)
+    return b.engine
+
+
+def _available(b: Bench, calls: dict) -> dict:
+    """The calls without the reference's ("transformers", "ref_...") when it is missing."""
+    if b.reference is not None:
+        return calls
+    return {k: v for k, v in calls.items() if k != "transformers" and not k.startswith("ref_")}
+
+
+def _reference_rows(b: Bench, section, rates, pairs, unit, targets=None) -> None:
+    """A compare row per (ours, reference, label), or our figure alone without a reference.
+    Targets are set for the real shapes; the tiny smoke model has none."""
+    for mine, theirs, label in pairs:
+        target = (targets or {}).get(mine) if b.size != "tiny" else None
+        if theirs in rates:
+            b.rows.append(compare(section, label, unit, rates[mine], rates[theirs], target=target))
+        else:
+            b.rows.append(figure(section, label, unit, median(rates[mine]), rates[mine]))
+
+
+# --- the limit -------------------------------------------------------------------------------
+
+
+def bandwidth(b: Bench) -> None:
+    n = 1 << 27 if b.device.type == "cuda" else 1 << 25
+    bw = stream_bandwidth(b.device, n)
+    per_token = decode_bytes_per_token(b.cfg, b.dtype)
+    limit = max(bw.values())
+    b.extra |= {
+        "bandwidth_gb_s": bw,
+        "decode_bytes_per_token": per_token,
+        "roofline_tok_s": roofline_tokens_per_s(limit, per_token),
+    }
+    for name, value in bw.items():
+        b.rows.append(figure("limit", f"memory bandwidth, {name}", "GB/s", value))
+    b.rows.append(figure("limit", "batch-1 decode roofline", "tok/s", b.extra["roofline_tok_s"]))
+
+
+# --- inference ---------------------------------------------------------------------------------
+
+
+def decode(b: Bench) -> None:
+    """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
+    n = b.work.new_tokens
+    engine, prepared = engine_of(b), ours.prepared(b.params, b.cfg)
+    calls = {
+        "engine": lambda p: ours.engine_generate(engine, [p], n)[0],
+        "loop": lambda p: ours.greedy_decode(prepared, b.cfg, p, n),
+        "transformers": lambda p: reference.generate(b.reference, [p], n)[0],
+    }
+    outputs: dict = {}
+    rates = b.measure(_available(b, calls), b.prompts(b.work.rounds + 1, seed=1), n, outputs)
+    pairs = [
+        ("engine", "transformers", "Engine, batch 1"),
+        ("loop", "transformers", "prefill + decode_step loop, batch 1"),
+    ]
+    _reference_rows(b, "decode", rates, pairs, "tok/s", {"engine": 1.5})
+    _roofline_rows(b, rates)
+    b.extra["greedy_agreement"] = _agreement(outputs)
+
+
+def _roofline_rows(b: Bench, rates: dict[str, list[float]]) -> None:
+    roof = b.extra.get("roofline_tok_s")
+    if not roof:
+        return
+    labels = {"engine": "Engine", "loop": "decode_step loop", "transformers": "transformers"}
+    for name, values in rates.items():
+        target = 50.0 if name == "engine" and b.size == "smol" else None
+        share = 100 * median(values) / roof
+        b.rows.append(
+            figure("decode", f"{labels[name]}, share of roofline", "%", share, None, target)
+        )
+
+
+def _agreement(outputs: dict[str, dict[int, list[int]]]) -> dict[str, float]:
+    """How many leading greedy tokens two sides share, as a fraction (averaged over rounds).
+    Random weights give near-ties, so float rounding may split sides after a while; the
+    Engine and the loop run the same code and should agree fully."""
+
+    def leading(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    result = {}
+    names = [n for n in outputs if outputs[n]]
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            rounds = sorted(set(outputs[first]) & set(outputs[second]))
+            shares = [
+                leading(outputs[first][r], outputs[second][r]) / len(outputs[first][r])
+                for r in rounds
+            ]
+            result[f"{first}_vs_{second}"] = sum(shares) / len(shares)
+    return result
+
+
+def throughput(b: Bench) -> None:
+    """c concurrent requests in one go: total generated tokens / wall time."""
+    n = b.work.new_tokens
+    engine = engine_of(b)
+    calls = {
+        "engine": lambda batch: ours.engine_generate(engine, batch, n),
+        "transformers": lambda batch: reference.generate(b.reference, batch, n),
+    }
+    for c in b.work.concurrency:
+        batches = [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)]
+        rates = b.measure(_available(b, calls), batches, c * n)
+        targets = {"engine": THROUGHPUT_TARGETS.get(c)}
+        label = f"Engine, {c} concurrent requests"
+        _reference_rows(
+            b, "throughput", rates, [("engine", "transformers", label)], "tok/s", targets
+        )
+
+
+def prefill(b: Bench) -> None:
+    """batch x length prompt tokens in one forward: all logits (as training computes them),
+    and the paged prefill that writes K/V and keeps the last logits (as serving does)."""
+    batch, length = b.work.prefill
+    g = torch.Generator().manual_seed(3)
+    inputs = [
+        torch.randint(0, b.cfg.vocab_size, (batch, length), generator=g).to(b.device)
+        for _ in range(b.work.rounds + 1)
+    ]
+    run_prefill = ours.paged_prefill_fn(ours.prepared(b.params, b.cfg), b.cfg, batch, length)
+    calls = {
+        "forward": lambda x: ours.forward_logits(b.params, b.cfg, x),
+        "prefill": run_prefill,
+        "ref_forward": lambda x: reference.forward(b.reference, x, last_only=False),
+        "ref_prefill": lambda x: reference.forward(b.reference, x, last_only=True),
+    }
+    rates = b.measure(_available(b, calls), inputs, batch * length)
+    pairs = [
+        ("forward", "ref_forward", f"forward, {batch} x {length}, all logits"),
+        ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
+    ]
+    _reference_rows(b, "prefill", rates, pairs, "tok/s")
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+def train(b: Bench) -> None:
+    """batch x length tokens per optimizer step (AdamW, clip 1.0, float32) from the same
+    weights; each side trains its own copy."""
+    import astrai
+
+    batch, length = b.work.train
+    steps = b.work.train_steps
+    g = torch.Generator().manual_seed(4)
+    batches = [
+        {"input_ids": torch.randint(0, b.cfg.vocab_size, (batch, length), generator=g).to(b.device)}
+        for _ in range(b.work.rounds + 1)
+    ]
+
+    def fresh():
+        return astrai.load_pretrained(b.folder, dtype=torch.float32, device=b.device)[0]
+
+    steppers = {"eager": ours.train_step_fn(fresh(), b.cfg, b.work, False, TRAIN_HYPER)}
+    if b.work.compile_train:
+        steppers["compiled"] = ours.train_step_fn(fresh(), b.cfg, b.work, True, TRAIN_HYPER)
+    else:
+        b.note("train: compiled train_step skipped (compiling takes minutes; runs without --quick)")
+    if b.reference is not None:
+        model = reference.load_reference(b.folder, torch.float32, b.device)
+        steppers["transformers"] = reference.train_step_fn(model, **TRAIN_HYPER)
+    for name, step in steppers.items():  # the warm-up, and for torch.compile the compiling
+        seconds = timed(lambda step=step: step(batches[0]), b.device)[0]
+        b.extra[f"train_first_step_s_{name}"] = seconds
+        b.log(f"train: first {name} step took {seconds:.1f} s")
+
+    def run_steps(step):
+        return lambda x: [step(x) for _ in range(steps)]
+
+    calls = {name: run_steps(step) for name, step in steppers.items()}
+    rates = b.measure(calls, batches, steps * batch * length, warm_up=False)
+    pairs = [
+        ("eager", "transformers", f"train_step eager, {batch} x {length}"),
+        ("compiled", "transformers", f"train_step compiled, {batch} x {length}"),
+    ]
+    pairs = [p for p in pairs if p[0] in rates]
+    _reference_rows(b, "train", rates, pairs, "tok/s", {"eager": 1.0, "compiled": 1.3})
+
+
+# --- serving -----------------------------------------------------------------------------------
+
+
+def serve(b: Bench) -> None:
+    """N clients streaming at once over HTTP, against the same Engine called directly."""
+    from astrai.bench.serving import latency_summary, serving, stream_load
+
+    n, clients, rounds = b.work.new_tokens, b.work.clients, b.work.rounds
+    engine = engine_of(b)
+    batches = [b.prompts(clients, seed=7000 + r) for r in range(rounds + 1)]
+    loads: list[dict] = []
+    with serving(engine) as url:
+
+        def over_http(batch):
+            loads.append(stream_load(url, batch, n))
+            return loads[-1]
+
+        stream_load(url, batches[0][:2], 4)  # warm-up: connections, first requests
+        calls = {"http": over_http, "direct": lambda batch: ours.engine_generate(engine, batch, n)}
+        rates = b.measure(calls, batches, clients * n, warm_up=False)
+    label = f"{clients} streaming clients over HTTP"
+    b.rows.append(compare("serve", label, "tok/s", rates["http"], rates["direct"], "Engine"))
+    per_second = [clients / load["wall_s"] for load in loads]
+    label = f"{clients} clients, requests"
+    b.rows.append(figure("serve", label, "req/s", median(per_second), per_second))
+    for name, value in latency_summary(loads).items():
+        kind, q = name.split("_")[:2]
+        label = {"ttft": "time to first token", "itl": "inter-token latency"}[kind]
+        b.rows.append(figure("serve", f"{label} {q}", "ms", value))
+
+
+SECTIONS: dict[str, Callable[[Bench], None]] = {
+    "bandwidth": bandwidth,
+    "decode": decode,
+    "throughput": throughput,
+    "prefill": prefill,
+    "train": train,
+    "serve": serve,
+}

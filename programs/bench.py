@@ -1,0 +1,67 @@
+"""Measure speed against transformers and against the hardware limit, in one process.
+
+    python programs/bench.py [--quick] [--size tiny|small|smol] [--only decode,train,...]
+
+Our code and transformers run side by side on the same weights and inputs, in alternating
+rounds, and the table reports ratios (on a shared machine absolute numbers are noise; ratios
+measured side by side are not). Sections: bandwidth, decode, throughput, prefill, train,
+serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, chart.png);
+docs/benchmarks.md explains how to read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from astrai.bench.models import SIZES
+from astrai.bench.run import DTYPES, Options, run_bench, summary
+from astrai.bench.sections import SECTIONS
+
+
+def parse(argv: list[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, few tokens")
+    parser.add_argument("--size", choices=list(SIZES), help="model shape (default small; tiny with --quick)")  # fmt: skip
+    parser.add_argument("--only", default="", help=f"comma-separated sections of: {', '.join(SECTIONS)}")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, ...")  # fmt: skip
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and K/V dtype for inference")  # fmt: skip
+    parser.add_argument("--rounds", type=int, help="measured rounds per side (default 3; 2 with --quick)")  # fmt: skip
+    parser.add_argument("--clients", type=int, help="concurrent streaming clients in serve")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-reference", action="store_true", help="our figures alone, without transformers")  # fmt: skip
+    parser.add_argument("--out", default="runs/bench", help="where run folders and the cached models go")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return Options(
+        size=args.size,
+        quick=args.quick,
+        only=tuple(s.strip() for s in args.only.split(",") if s.strip()),
+        device=args.device,
+        dtype=args.dtype,
+        rounds=args.rounds,
+        clients=args.clients,
+        threads=args.threads,
+        reference=not args.no_reference,
+        out=Path(args.out),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    try:
+        results = run_bench(opts, log=lambda line: print(line, flush=True))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(summary(results))
+    failed = [name for name, s in results["sections"].items() if s["status"].startswith("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
