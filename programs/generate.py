@@ -1,0 +1,146 @@
+"""Complete a JSONL file of prompts with a model, batched through the Engine.
+
+    python programs/generate.py --model DIR --input prompts.jsonl [--output out.jsonl]
+
+Each input line is {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}, ...]}
+(rendered with the model's chat template). A line may also carry sampling fields
+("max_tokens", "temperature", "stop", ...) that override the command line for that prompt,
+and an "id" that is copied to its output line. Output lines come in input order:
+{"index", "id"?, "text", "finish_reason", "usage": {"prompt_tokens", "cached_tokens",
+"completion_tokens"}}. A progress line goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import astrai as ai
+from astrai.infer import Engine, SamplingParams
+from astrai.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InputError(ValueError):
+    """A bad input line; the message names the file and the line."""
+
+
+def read_requests(path: str) -> list[dict]:
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    requests = []
+    with stream:
+        for number, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{where}: invalid JSON: {exc}") from None
+            if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+                raise InputError(f'{where}: expected an object with "prompt" or "messages"')
+            unknown = (
+                set(record) - {"prompt", "messages", "id"} - set(SamplingParams.__struct_fields__)
+            )
+            if unknown:
+                raise InputError(f"{where}: unknown fields {sorted(unknown)}")
+            requests.append({**record, "where": where})
+    return requests
+
+
+def prompt_of(record: dict, tokenizer: Tokenizer) -> str:
+    if "messages" in record:
+        return tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True)
+    return record["prompt"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="model folder (save_pretrained or HF)")
+    parser.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
+    parser.add_argument("--output", default="-", help="JSONL completions ('-' = stdout)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, help="seed of every request (reproducible runs)")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    args = parser.parse_args()
+    defaults = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    try:
+        requests = read_requests(args.input)
+        params, cfg = ai.load_pretrained(args.model)
+        tokenizer = Tokenizer.from_pretrained(args.model)
+    except (InputError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    engine = Engine(params, cfg, tokenizer, max_batch=args.max_batch, dtype=dtype)
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        ids = []
+        for record in requests:
+            sampling = defaults | {
+                k: v for k, v in record.items() if k in SamplingParams.__struct_fields__
+            }
+            try:
+                ids.append(engine.submit(prompt_of(record, tokenizer), **sampling))
+            except ValueError as exc:  # PromptTooLong, a bad sampling field, ...
+                raise InputError(f"{record['where']}: {exc}") from None
+        start, generated = time.monotonic(), 0
+        for index, (record, request_id) in enumerate(zip(requests, ids)):
+            completion = engine.result(request_id)
+            generated += completion.usage.completion_tokens
+            line = {"index": index} | ({"id": record["id"]} if "id" in record else {})
+            line |= {
+                "text": completion.text,
+                "finish_reason": completion.finish_reason,
+                "usage": {
+                    "prompt_tokens": completion.usage.prompt_tokens,
+                    "cached_tokens": completion.usage.cached_tokens,
+                    "completion_tokens": completion.usage.completion_tokens,
+                },
+            }
+            if completion.error:
+                line["error"] = completion.error
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            if not args.quiet:
+                rate = generated / max(time.monotonic() - start, 1e-9)
+                print(
+                    f"\r{index + 1}/{len(requests)} prompts, {generated} tokens, {rate:.1f} tok/s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if not args.quiet:
+            print(file=sys.stderr)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The custom sampling loop in docs/inference.md gives the Engine's tokens; generate.py works."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+from infer_models import BASE, make_model
+
+import astrai as ai
+from astrai.infer import Engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def docs_loop():
+    text = (ROOT / "docs" / "inference.md").read_text()
+    block = re.search(r"## Your own sampling loop.*?```python\n(.*?)```", text, re.S).group(1)
+    assert len(block.strip().splitlines()) <= 20
+    namespace: dict = {}
+    exec(compile(block, "docs/inference.md", "exec"), namespace)
+    return namespace["generate"]
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_docs_sampling_loop_equals_engine(kind):
+    generate = docs_loop()
+    params, cfg = make_model(kind)
+    prompt = [5, 17, 42, 7, 99, 3]
+    sampling = dict(temperature=0.8, top_p=0.95, ignore_eos=True)
+    with Engine(params, cfg, None, max_seq_len=128) as engine:
+        for seed in (0, 1):
+            ours = generate(params, cfg, prompt, 12, seed)
+            theirs = engine.generate([prompt], max_tokens=12, seed=seed, **sampling)[0]
+            assert ours == theirs.token_ids
+        greedy = engine.generate([prompt], max_tokens=12, seed=0, temperature=0.0, ignore_eos=True)
+        assert generate(params, cfg, prompt, 12, 0, temperature=0.0) == greedy[0].token_ids
+
+
+def run_program(monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["generate.py", *args])
+    main = runpy.run_path(str(ROOT / "programs" / "generate.py"))["main"]
+    return main()
+
+
+def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
+    cfg = ai.ModelConfig(**{**BASE, "vocab_size": tokenizer.vocab_size})
+    ai.save_pretrained(tmp_path / "model", ai.init_params(cfg), cfg, tokenizer=tokenizer)
+    prompts = tmp_path / "in.jsonl"
+    lines = [
+        {"prompt": "hello world", "id": "a"},
+        {"messages": [{"role": "user", "content": "the quick"}], "max_tokens": 3},
+        {"prompt": "lazy dog", "temperature": 0.7, "seed": 3},
+    ]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["--model", str(tmp_path / "model"), "--input", str(prompts), "--output", str(out)]
+    assert run_program(monkeypatch, *args, "--max-tokens", "5", "--temperature", "0") == 0
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in results] == [0, 1, 2]
+    assert results[0]["id"] == "a"
+    assert results[1]["usage"]["completion_tokens"] <= 3
+    assert all(r["finish_reason"] in ("stop", "length") for r in results)
+    assert "3/3 prompts" in capsys.readouterr().err
+
+    prompts.write_text('{"prompt": "x"}\n{"promt": "y"}\n')
+    assert run_program(monkeypatch, *args) == 1
+    assert "line 2" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_program(monkeypatch, "--help")
+    assert exit_info.value.code == 0
