@@ -1,0 +1,124 @@
+"""The benchmark program: a quick run end to end at the tiny size, and its pure pieces."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import astrai
+from astrai.bench import ours
+from astrai.bench.bandwidth import decode_bytes_per_token
+from astrai.bench.chart import Panel, encode_png, render_png
+from astrai.bench.run import selected_sections
+from astrai.bench.timing import interleave, percentile
+from astrai.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_program():
+    spec = importlib.util.spec_from_file_location("bench_program", ROOT / "programs" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_run(out: Path) -> dict:
+    (run_dir,) = [p for p in out.iterdir() if p.name != "models"]
+    assert (run_dir / "chart.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert (run_dir / "results.md").read_text().startswith("| section |")
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_quick_run_measures_every_section(tmp_path, capsys):
+    code = load_program().main(["--quick", "--rounds", "1", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    results = read_run(tmp_path)
+    assert results["meta"]["size"] == "tiny"
+    assert all(s["status"] == "ok" for s in results["sections"].values()), results["sections"]
+    sections = {row["section"] for row in results["rows"]}
+    assert sections == {"limit", "decode", "throughput", "prefill", "train", "serve"}
+    for row in results["rows"]:
+        assert row["ours"] > 0, row
+        if "ratio" in row:
+            assert row["ratio"] > 0 and row["reference"] > 0, row
+    # the Engine and the hand-written loop run the same code: the same greedy tokens
+    assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
+
+
+def test_without_reference_and_with_a_missing_piece(tmp_path, monkeypatch, capsys):
+    def missing(*args, **kwargs):
+        raise ImportError("cannot import name 'Engine' from 'astrai.infer'")
+
+    monkeypatch.setattr(ours, "make_engine", missing)
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "decode,prefill"]
+    code = load_program().main([*argv, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    results = read_run(tmp_path)
+    assert results["sections"]["decode"]["status"].startswith("skipped: cannot import")
+    assert results["sections"]["prefill"]["status"] == "ok"
+    assert "skipped: cannot import" in out
+    prefill_rows = [r for r in results["rows"] if r["section"] == "prefill"]
+    assert prefill_rows and all("ratio" not in r for r in prefill_rows)
+
+
+def test_sections_are_validated_and_decode_brings_bandwidth():
+    assert selected_sections(("decode",)) == ["bandwidth", "decode"]
+    assert selected_sections(("serve", "train")) == ["train", "serve"]
+    with pytest.raises(ValueError, match="unknown section"):
+        selected_sections(("decoding",))
+
+
+def test_png_encoder_writes_the_pixels_it_was_given():
+    width, height = 5, 3
+    pixels = bytes(range(width * height * 3))
+    png = encode_png(pixels, width, height)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", png[16:24]) == (width, height)
+    length = struct.unpack(">I", png[33:37])[0]
+    assert png[37:41] == b"IDAT"
+    raw = zlib.decompress(png[41 : 41 + length])
+    rows = [raw[y * (width * 3 + 1) : (y + 1) * (width * 3 + 1)] for y in range(height)]
+    assert all(row[0] == 0 for row in rows)
+    assert b"".join(row[1:] for row in rows) == pixels
+
+
+def test_chart_renders_any_text_and_values():
+    panel = Panel("ratios; 1.0 = parity", [("Décodé ~ 16", 2.5, 3.0), ("zero", 0.0, None)], 1.0, "{:.2f}x")  # fmt: skip
+    assert render_png("title", [panel]).startswith(b"\x89PNG")
+
+
+def test_percentile_agrees_with_numpy():
+    values = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6]
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_interleave_alternates_the_order():
+    calls = []
+    sides = {name: (lambda r, name=name: calls.append((r, name)) or 1.0) for name in "ab"}
+    rates = interleave(sides, 3)
+    assert rates == {"a": [1.0] * 3, "b": [1.0] * 3}
+    assert calls == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_bytes_count_every_weight_once_and_one_embedding_row(tied):
+    cfg = ModelConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=tied,
+    )  # fmt: skip
+    params = astrai.init_params(cfg, seed=0)
+    head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
+    expected = sum(p.numel() for k, p in params.items() if k != "model.embed_tokens.weight")
+    expected += cfg.hidden_size + (head.numel() if tied else 0)
+    assert decode_bytes_per_token(cfg, torch.float32) == 4 * expected
+    assert decode_bytes_per_token(cfg, torch.bfloat16) == 2 * expected
