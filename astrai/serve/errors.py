@@ -30,7 +30,7 @@ def overloaded(message: str) -> APIError:
     return APIError(429, message, code="overloaded")
 
 
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_PATH = re.compile(r" - at (`key` in )?`\$\.?([^`]*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
@@ -41,8 +41,8 @@ def from_decode_error(exc: msgspec.DecodeError, where: str = "") -> APIError:
     if not isinstance(exc, msgspec.ValidationError):
         return bad_request(f"The request body is not valid JSON: {text}", code="invalid_json")
     found = _PATH.search(text)
-    param = found.group(1) if found else None
-    text = _PATH.sub("", text)
+    param = found.group(2) if found else None
+    text = _PATH.sub(" (in a key)" if found and found.group(1) else "", text)
     if param is None and (missing := _MISSING.search(text)):
         param = missing.group(1)
         if where:

@@ -84,7 +84,7 @@ class SamplingFields(Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     n: PositiveInt = 1
     stop: Stop = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # what torch takes
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[int, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None

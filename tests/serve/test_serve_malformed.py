@@ -1,0 +1,203 @@
+"""Whatever a client sends, the answer is a success or a 4xx in the API's format, never a 500."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_server import MODEL, engine_for, serving, wait_until_idle
+
+from astrai.config import ServeConfig
+
+SETTINGS = settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+anything = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+names = st.text("abcdefgh_", min_size=1, max_size=6)
+words = st.text('ab <|>{}"\\/é\n', max_size=12)
+
+
+def corrupted(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    """A valid body with one key dropped or set to anything at all."""
+
+    def corrupt(body: dict, key: str, value, drop: bool) -> dict:
+        body = dict(body)
+        if drop:
+            body.pop(key, None)
+        else:
+            body[key] = value
+        return body
+
+    keys = st.sampled_from(["model", "messages", "max_tokens", "n", "stop", "tools", "prompt", "x"])
+    return st.builds(corrupt, valid, keys, anything, st.booleans())
+
+
+def bodies(valid: st.SearchStrategy[dict]) -> st.SearchStrategy:
+    return valid | corrupted(valid) | anything
+
+
+openai_sampling = {
+    "max_tokens": st.integers(1, 8),
+    "n": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 1),
+    "stop": words | st.lists(words, max_size=3),
+    "seed": st.integers(0, 2**63 - 1),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 399).map(str), st.floats(-100, 100), max_size=2),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "user": words,
+}
+text_part = st.fixed_dictionaries({"type": st.just("text"), "text": words})
+chat_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]),
+        "content": words | st.lists(text_part, max_size=2),
+    }
+)
+openai_tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": names}, optional={"parameters": st.just({})}),
+    }
+)
+valid_chat = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "messages": st.lists(chat_message, min_size=1, max_size=3)},
+    optional={
+        **openai_sampling,
+        "max_completion_tokens": st.integers(1, 8),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 5),
+        "tools": st.lists(openai_tool, max_size=2),
+        "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    },
+)
+valid_completion = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "prompt": words
+        | st.lists(words, min_size=1, max_size=2)
+        | st.lists(st.integers(0, 399), min_size=1, max_size=5),
+    },
+    optional={**openai_sampling, "echo": st.booleans(), "logprobs": st.integers(0, 5)},
+)
+
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": words}),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": names, "name": names, "input": st.just({"a": 1})}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": names},
+        optional={"content": words | st.lists(st.just({"type": "text", "text": "r"}), max_size=2)},
+    ),
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant"]),
+        "content": words | st.lists(block, min_size=1, max_size=3),
+    }
+)
+valid_messages = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "max_tokens": st.integers(1, 8),
+        "messages": st.lists(anthropic_message, min_size=1, max_size=3),
+    },
+    optional={
+        "system": words | st.lists(st.just({"type": "text", "text": "be brief"}), max_size=2),
+        "stop_sequences": st.lists(words, max_size=3),
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(0, 50),
+        "metadata": st.just({"user_id": "u"}),
+        "stream": st.booleans(),
+        "tools": st.lists(
+            st.fixed_dictionaries({"name": names, "input_schema": st.just({"type": "object"})}),
+            max_size=2,
+        ),
+        "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}]),
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    cfg = ServeConfig(default_max_tokens=8, max_n=3, max_body_bytes=20_000)
+    with (
+        engine_for(tiny, max_batch=8) as engine,
+        serving(engine, cfg) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        yield http, engine
+
+
+def post(http: httpx.Client, path: str, body) -> httpx.Response:
+    # json.dumps writes NaN and Infinity, which strict JSON parsers must refuse
+    return http.post(
+        path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+
+
+def check(response: httpx.Response, anthropic: bool) -> None:
+    assert response.status_code < 500, response.text
+    if response.status_code == 200:
+        return
+    body = response.json()
+    if anthropic:
+        assert body["type"] == "error" and body["error"]["message"]
+    else:
+        assert body["error"]["message"] and body["error"]["type"]
+
+
+@SETTINGS
+@given(body=bodies(valid_chat))
+def test_chat_completions(server, body):
+    check(post(server[0], "/v1/chat/completions", body), anthropic=False)
+
+
+@SETTINGS
+@given(body=bodies(valid_completion))
+def test_completions(server, body):
+    check(post(server[0], "/v1/completions", body), anthropic=False)
+
+
+@SETTINGS
+@given(body=bodies(valid_messages))
+def test_messages(server, body):
+    check(post(server[0], "/v1/messages", body), anthropic=True)
+
+
+@SETTINGS
+@given(raw=st.binary(max_size=64), path=st.sampled_from(["/v1/chat/completions", "/v1/messages"]))
+def test_raw_bytes(server, raw, path):
+    check(server[0].post(path, content=raw), anthropic=path == "/v1/messages")
+
+
+def test_embeddings_on_a_decoder_and_no_pages_left(server):
+    http, engine = server
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    stats = wait_until_idle(engine)
+    assert stats["pages_used"] == 0 and stats["requests_failed"] == 0
