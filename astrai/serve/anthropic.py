@@ -46,7 +46,7 @@ from astrai.serve.schemas_anthropic import (
     Usage,
     event_name,
 )
-from astrai.serve.state import AppState, check_model, new_id, token_budget
+from astrai.serve.state import AppState, check_generates, check_model, new_id, token_budget
 from astrai.serve.streams import collect, open_choices
 
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)
@@ -273,6 +273,7 @@ def message_content(text: str, calls: list[tools.ParsedCall]) -> list:
 async def messages(state: AppState, body: bytes) -> Response:
     req = decode(_messages_decoder, body)
     check_model(state, req.model)
+    check_generates(state)
     specs, prefix = message_tools(req)
     prompt = chat_prompt(state.tokenizer, template_messages(req), specs, prefix)
     budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")

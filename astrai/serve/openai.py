@@ -39,7 +39,7 @@ from astrai.serve.schemas_openai import (
     TopLogprob,
     Usage,
 )
-from astrai.serve.state import AppState, check_model, new_id, now, token_budget
+from astrai.serve.state import AppState, check_generates, check_model, new_id, now, token_budget
 from astrai.serve.streams import Outcome, collect, open_choices
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -97,6 +97,7 @@ def choice_kwargs(kwargs: dict, n: int) -> list[dict]:
 
 def check_sampling(state: AppState, req: SamplingFields, top_logprobs: int | None) -> None:
     check_model(state, req.model)
+    check_generates(state)
     cfg = state.serve_cfg
     if req.n > cfg.max_n:
         raise bad_request(f"n is {req.n}; this server allows at most {cfg.max_n}.", "n")

@@ -70,3 +70,11 @@ def token_budget(
             "context_length_exceeded",
         )
     return requested
+
+
+def check_generates(state: AppState) -> None:
+    """Generation routes need an Engine; an encoder model only embeds."""
+    if not hasattr(state.engine, "astream"):
+        raise bad_request(
+            f"`{state.model_name}` is an encoder model: it answers /v1/embeddings only.", "model"
+        )
