@@ -373,7 +373,12 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def train_config(data: dict[str, Any], source: str = "<dict>", base: Path | None = None):
-    """Decode a training config; relative paths are taken from `base` (the TOML's folder)."""
+    """Decode a training config; relative paths are taken from `base` (the TOML's folder).
+
+    A [prepare] table (the data pipeline's settings, so one file can describe a whole run) is
+    not part of the training config and is ignored here.
+    """
+    data = {k: v for k, v in data.items() if k != "prepare"}
     cfg = from_dict(TrainConfig, data, source)
     if base is None:
         return cfg
