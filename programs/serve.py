@@ -1,0 +1,205 @@
+"""Serve a model over the OpenAI and Anthropic HTTP APIs.
+
+    just serve --model DIR [--port 8000] [--api-key KEY] [--config serve.toml]
+    just serve                  # the demo model, runs/demo/model (made by `just demo`)
+    just serve --random-tiny    # an untrained tiny model, for a quick look at the API
+
+Settings come from ServeConfig: its defaults, then the [serve] table of --config, then flags.
+The API key may also come from the ASTRAI_API_KEY environment variable. docs/serving.md lists
+every endpoint and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+DEMO_MODEL = Path("runs/demo/model")
+
+# Flags that set a ServeConfig field of the same name; help text names the default.
+FLAGS = {
+    "host": (str, "address to bind (default 127.0.0.1: this machine only)"),
+    "port": (int, "port (default 8000)"),
+    "model_name": (str, "name clients use as `model` (default: the model folder's name)"),
+    "api_key": (str, "require this key (default: $ASTRAI_API_KEY, else none)"),
+    "max_waiting": (int, "queued requests beyond this get 429 / 529 (default 256)"),
+    "max_batch": (int, "sequences decoded together (default 64)"),
+    "num_pages": (int, "KV pages in the pool (default: enough for max_batch full sequences)"),
+    "page_size": (int, "tokens per KV page (default 16)"),
+    "max_seq_len": (int, "prompt + completion limit (default: the model's)"),
+    "prefill_chunk": (int, "prompt tokens prefilled per step (default 512)"),
+    "max_body_bytes": (int, "largest request body accepted (default 4 MiB)"),
+    "default_max_tokens": (int, "chat completion length when a request gives none (default 1024)"),
+    "device": (str, "cpu, cuda, cuda:1, mps, ... (default cpu)"),
+    "dtype": (str, "float32, bfloat16 or float16 (default float32)"),
+    "log_level": (str, "uvicorn log level (default info)"),
+}
+
+# Enough text for a byte-level BPE to learn a few merges; the weights stay random.
+TINY_TEXT = [
+    "Hello! How can I help you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 + 30? 12 + 30 = 42.",
+    "I am a tiny model with random weights: my answers are noise.",
+] * 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"model folder (default: {DEMO_MODEL} when it exists)")
+    source.add_argument(
+        "--random-tiny",
+        action="store_true",
+        help="serve a random-weight tiny model with a trained tokenizer (made in a temp folder)",
+    )
+    parser.add_argument("--config", help="TOML file whose [serve] table sets ServeConfig")
+    for name, (kind, help_text) in FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+    return parser.parse_args(argv)
+
+
+def serve_config(args: argparse.Namespace, environ=os.environ):
+    """Defaults < [serve] of --config < flags; the key falls back to ASTRAI_API_KEY."""
+    from astrai.config import ServeConfig, from_dict, load_toml, to_dict
+
+    base = load_toml(args.config, ServeConfig, "serve") if args.config else ServeConfig()
+    flags = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    merged = {**to_dict(base), **flags}
+    if merged.get("api_key") is None and environ.get("ASTRAI_API_KEY"):
+        merged["api_key"] = environ["ASTRAI_API_KEY"]
+    return from_dict(ServeConfig, merged, "command-line flags")
+
+
+def make_random_tiny(path: Path) -> Path:
+    """A random-weight model and a tokenizer trained on a few sentences, saved to `path`."""
+    import astrai
+    from astrai.config import ModelConfig
+    from astrai.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(TINY_TEXT, vocab_size=512)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_id,
+    )
+    astrai.save_pretrained(path, astrai.init_params(cfg, seed=0), cfg, tokenizer=tok)
+    return path
+
+
+def model_folder(args: argparse.Namespace) -> Path | None:
+    if args.model:
+        return Path(args.model)
+    if args.random_tiny:
+        return make_random_tiny(Path(tempfile.mkdtemp(prefix="astrai-random-tiny-")))
+    if DEMO_MODEL.is_dir():
+        return DEMO_MODEL
+    print(
+        f"No --model given, and there is no demo model at {DEMO_MODEL}.\n"
+        "Train the demo model (a few minutes on a laptop) with:\n\n"
+        "    just demo\n\n"
+        "or look at the API with an untrained model:\n\n"
+        "    just serve --random-tiny\n",
+        file=sys.stderr,
+    )
+    return None
+
+
+def default_name(folder: Path, args: argparse.Namespace) -> str:
+    if args.random_tiny:
+        return "random-tiny"
+    folder = folder.resolve()
+    # runs/<name>/model: the run's name says more than "model"
+    return folder.parent.name if folder.name == "model" else folder.name
+
+
+def load_engine(folder: Path, serve_cfg):
+    """The model in `folder` -> an Engine (or an EncoderModel for an encoder)."""
+    import astrai
+    from astrai.infer import Engine
+    from astrai.serve import EncoderModel
+    from astrai.tokenizer import Tokenizer
+
+    params, cfg = astrai.load_pretrained(folder, dtype=serve_cfg.dtype, device=serve_cfg.device)
+    tokenizer = Tokenizer.from_pretrained(folder)
+    if cfg.model_type == "encoder":
+        return EncoderModel(params, cfg, tokenizer, serve_cfg.device)
+    return Engine(
+        params,
+        cfg,
+        tokenizer,
+        num_pages=serve_cfg.num_pages,
+        page_size=serve_cfg.page_size,
+        max_batch=serve_cfg.max_batch,
+        max_seq_len=serve_cfg.max_seq_len,
+        prefill_chunk=serve_cfg.prefill_chunk,
+        max_waiting=serve_cfg.max_waiting,
+        device=serve_cfg.device,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        serve_cfg = serve_config(args)
+    except (ValueError, msgspec.ValidationError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    folder = model_folder(args)
+    if folder is None:
+        return 2
+    try:
+        return run(args, folder, serve_cfg)
+    finally:
+        if args.random_tiny:  # it was made for this run only
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
+    try:
+        engine = load_engine(folder, serve_cfg)
+    except (OSError, ValueError) as exc:  # a missing folder, a bad config.json or checkpoint
+        print(f"error: cannot load {folder}: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from astrai.serve import make_app
+
+    name = serve_cfg.model_name or default_name(folder, args)
+    app = make_app(engine, name, serve_cfg)
+    if not is_loopback(serve_cfg.host) and serve_cfg.api_key is None:
+        print(f"warning: listening on {serve_cfg.host} without an API key", file=sys.stderr)
+    url = f"http://{serve_cfg.host}:{serve_cfg.port}"
+    print(f"Serving `{name}` from {folder} at {url}/v1 (OpenAI) and {url} (Anthropic)")
+    try:
+        uvicorn.run(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
