@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -27,12 +26,14 @@ Event = Any  # astrai.infer.StreamEvent
 
 class Choices:
     """The engine streams of one request's choices, read as one stream of (index, event) in
-    the order events arrive, with latency and usage recorded in `metrics` on the way."""
+    the order events arrive, with latency and usage recorded in `metrics` on the way.
 
-    def __init__(self, streams: list[AsyncIterator[Event]], metrics: Metrics, since: float):
+    `streams` maps choice index -> engine stream; `firsts` holds events already read."""
+
+    def __init__(self, streams: dict, firsts: dict, metrics: Metrics, since: float):
         self.streams, self.metrics, self.since = streams, metrics, since
-        self.pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-        self.ready: list[tuple[int, Event]] = []
+        self.pending = {asyncio.ensure_future(anext(s)): i for i, s in streams.items()}
+        self.ready: list[tuple[int, Event]] = sorted(firsts.items())
         self.last_token: dict[int, float] = {}
 
     def __aiter__(self) -> Choices:
@@ -74,34 +75,52 @@ class Choices:
             # a stream cannot be closed while a task is still inside it
             await asyncio.gather(*self.pending, return_exceptions=True)
             self.pending = {}
-            for stream in self.streams:
+            for stream in self.streams.values():
                 await stream.aclose()
 
 
-async def _started(streams: list, metrics: Metrics, since: float) -> Choices:
-    choices = Choices(streams, metrics, since)
+async def _started(streams: dict, firsts: dict, metrics: Metrics, since: float) -> Choices:
+    choices = Choices(streams, firsts, metrics, since)
     # One turn of the loop lets every stream reach its first wait; from then on closing a
     # stream cancels its engine request (a stream closed before it started would not).
     await asyncio.sleep(0)
     return choices
 
 
+def _refusal(exc: BaseException) -> BaseException:
+    """The engine's refusals as the HTTP errors they are."""
+    if isinstance(exc, PromptTooLong):
+        return bad_request(str(exc), "max_tokens", "context_length_exceeded")
+    if isinstance(exc, Overloaded):
+        return overloaded(str(exc))
+    if isinstance(exc, ValueError):  # sampling arguments the engine refuses
+        return bad_request(str(exc))
+    return exc
+
+
 async def open_choices(engine, requests: list[tuple[list[int], dict]], metrics: Metrics) -> Choices:
-    """Submit one engine request per (prompt ids, sampling kwargs)."""
-    since, streams = time.monotonic(), []
+    """Submit one engine request per (prompt ids, sampling kwargs).
+
+    Choices that repeat a prompt are submitted once its first request has produced a token:
+    by then its prompt is prefilled and in the prefix cache, so they share its pages instead
+    of each computing them again."""
+    since, streams, firsts = time.monotonic(), {}, {}
+    leaders: dict[tuple[int, ...], int] = {}
+    for i, (prompt, _) in enumerate(requests):
+        leaders.setdefault(tuple(prompt), i)
+    followers = [i for i in range(len(requests)) if i not in leaders.values()]
     try:
-        for prompt, sampling in requests:
-            streams.append(engine.astream(prompt, **sampling))
+        for i in leaders.values():
+            streams[i] = engine.astream(requests[i][0], **requests[i][1])
+        if followers:
+            for i in list(streams):
+                firsts[i] = await anext(streams[i])
+            for i in followers:
+                streams[i] = engine.astream(requests[i][0], **requests[i][1])
     except BaseException as exc:
-        await (await _started(streams, metrics, since)).aclose()
-        if isinstance(exc, PromptTooLong):
-            raise bad_request(str(exc), "max_tokens", "context_length_exceeded") from None
-        if isinstance(exc, Overloaded):
-            raise overloaded(str(exc)) from None
-        if isinstance(exc, ValueError):  # sampling arguments the engine refuses
-            raise bad_request(str(exc)) from None
-        raise
-    return await _started(streams, metrics, since)
+        await (await _started(streams, {}, metrics, since)).aclose()
+        raise _refusal(exc) from None
+    return await _started(streams, firsts, metrics, since)
 
 
 class Outcome(Struct):

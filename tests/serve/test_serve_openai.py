@@ -78,10 +78,19 @@ def test_streaming_with_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_n_choices(client):
-    r = chat(client, n=3, max_tokens=5, temperature=1.0, seed=7)
+def test_n_choices_share_the_prompt(client, server):
+    engine = server[1]
+    cached = engine.stats()["cached_tokens"]
+    messages = [{"role": "user", "content": "three answers to one long question, please " * 3}]
+    r = chat(client, messages, n=3, max_tokens=5, temperature=1.0, seed=7)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert 3 <= r.usage.completion_tokens <= 15
+    pages = r.usage.prompt_tokens // 16  # full pages of the prompt (page_size 16)
+    assert pages >= 1
+    assert engine.stats()["cached_tokens"] - cached >= 2 * 16 * pages  # choices 1 and 2 hit
+
+
+def test_n_choices_streamed(client):
     stream = chat(client, n=2, max_tokens=40, temperature=0, stream=True)
     texts = ["", ""]
     for chunk in stream:
