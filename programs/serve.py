@@ -195,7 +195,13 @@ def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
     url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(f"Serving `{name}` from {folder} at {url}/v1 (OpenAI) and {url} (Anthropic)")
     try:
-        uvicorn.run(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level)
+        uvicorn.run(
+            app,
+            host=serve_cfg.host,
+            port=serve_cfg.port,
+            log_level=serve_cfg.log_level,
+            timeout_graceful_shutdown=5,  # open streams must not keep Ctrl-C waiting
+        )
     finally:
         engine.close()
     return 0

@@ -130,6 +130,23 @@ def message_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict]
     return specs, tools.forced_prefix(isinstance(choice, ToolChoiceAny))
 
 
+def split_prefill(turns: list[dict]) -> tuple[list[dict], str]:
+    """A conversation that ends in an assistant turn asks for that turn to be continued: its
+    text starts the answer (and, as in Anthropic's API, is not repeated in the response)."""
+    last = turns[-1]
+    if last["role"] == "assistant" and "tool_calls" not in last:
+        return turns[:-1], last["content"]
+    return turns, ""
+
+
+def build_prompt(state: AppState, req: MessagesRequest | CountTokensRequest):
+    """-> (prompt ids, forced tool-call prefix, whether tools are in play)."""
+    specs, forced = message_tools(req)
+    turns, prefill = split_prefill(template_messages(req))
+    prompt = chat_prompt(state.tokenizer, turns, specs, prefill + forced)
+    return prompt, forced, specs is not None
+
+
 def sampling_kwargs(req: MessagesRequest, max_tokens: int) -> dict:
     kwargs = {
         "max_tokens": max_tokens,
@@ -274,14 +291,13 @@ async def messages(state: AppState, body: bytes) -> Response:
     req = decode(_messages_decoder, body)
     check_model(state, req.model)
     check_generates(state)
-    specs, prefix = message_tools(req)
-    prompt = chat_prompt(state.tokenizer, template_messages(req), specs, prefix)
+    prompt, prefix, with_tools = build_prompt(state, req)
     budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")
     events = await open_choices(
         state.engine, [(prompt, sampling_kwargs(req, budget))], state.metrics
     )
     head = MessageResponse(new_id("msg_"), state.model_name, [], None, None, Usage(len(prompt), 1))
-    spec = MessageStream(head, specs is not None, prefix, len(prompt), req.stop_sequences or [])
+    spec = MessageStream(head, with_tools, prefix, len(prompt), req.stop_sequences or [])
     if req.stream:
         return sse.EventStream(message_events(events, spec), events)
     (outcome,) = await collect(events, 1)
@@ -300,6 +316,5 @@ async def messages(state: AppState, body: bytes) -> Response:
 async def count_tokens(state: AppState, body: bytes) -> Response:
     req = decode(_count_decoder, body)
     check_model(state, req.model)
-    specs, prefix = message_tools(req)
-    prompt = chat_prompt(state.tokenizer, template_messages(req), specs, prefix)
+    prompt, _, _ = build_prompt(state, req)
     return Response(_encode(TokenCount(len(prompt))), media_type="application/json")

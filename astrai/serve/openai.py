@@ -317,8 +317,9 @@ async def completion_events(events, head: TextCompletion, texts, req, top, token
             reason = finish_reason(event.finish_reason, False)
             if event.finish_reason is not None:
                 usages[i] = event.usage
-            choice = TextChoice(i, text, reason, logprobs)
-            yield sse.data(TextCompletion(head.id, head.created, head.model, [choice]))
+            if text or logprobs or reason:  # a token held back (a stop string?) says nothing
+                choice = TextChoice(i, text, reason, logprobs)
+                yield sse.data(TextCompletion(head.id, head.created, head.model, [choice]))
     if req.stream_options and req.stream_options.include_usage:
         usage = usage_of(usages, req.n)
         yield sse.data(TextCompletion(head.id, head.created, head.model, [], usage))

@@ -239,3 +239,10 @@ def test_authentication(server):
 def test_models_for_the_anthropic_client(client):
     (model,) = client.models.list().data
     assert model.id == MODEL and model.type == "model"
+
+
+def test_assistant_prefill_is_continued(client):
+    prefill = [*HELLO, {"role": "assistant", "content": "Hello! The"}]
+    m = create(client, prefill, temperature=0)
+    assert m.content[0].text == HELLO_A.removeprefix("Hello! The")
+    assert m.stop_reason == "end_turn"
