@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-from tiny_server import MODEL, engine_for, no_end_bias, serving, wait_until_idle
+from tiny_server import MODEL, engine_for, no_end_bias, serving, wait_for, wait_until_idle
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 
@@ -19,13 +18,6 @@ def server(tiny):
     # one running request at a time, one more may wait
     with engine_for(tiny, max_batch=1, max_waiting=1) as engine, serving(engine) as url:
         yield url, engine
-
-
-def wait_for(engine, key: str, value: int) -> None:
-    deadline = time.monotonic() + 10
-    while engine.stats()[key] != value:
-        assert time.monotonic() < deadline, engine.stats()
-        time.sleep(0.01)
 
 
 def test_overloaded(server, tiny):

@@ -158,3 +158,11 @@ def wait_until_idle(engine, timeout: float = 10.0) -> dict:
         if idle or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def wait_for(engine, key: str, value: int, timeout: float = 10.0) -> None:
+    """Until engine.stats()[key] == value (the stats are a snapshot taken between steps)."""
+    deadline = time.monotonic() + timeout
+    while engine.stats()[key] != value:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
