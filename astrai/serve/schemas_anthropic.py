@@ -183,17 +183,6 @@ class MessageStop(Struct, tag_field="type", tag="message_stop"):
     pass
 
 
-StreamEvent = (
-    MessageStart
-    | ContentBlockStart
-    | Ping
-    | ContentBlockDelta
-    | ContentBlockStop
-    | MessageDelta
-    | MessageStop
-)
-
-
 def event_name(event: Struct) -> str:
     """The SSE `event:` line of a stream event is its "type" tag."""
     return type(event).__struct_config__.tag

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -261,7 +260,3 @@ class EmbeddingList(Struct):
     model: str
     usage: EmbeddingUsage
     object: str = "list"
-
-
-def decoder(struct: type) -> msgspec.json.Decoder:
-    return msgspec.json.Decoder(struct)
