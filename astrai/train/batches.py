@@ -124,7 +124,7 @@ def synthetic_batch(
             raise ValueError(f"synthetic grpo needs batch rows in multiples of {GRPO_GROUP}")
         prompts = _counting(g, rows // GRPO_GROUP, seq_len, vocab).repeat_interleave(GRPO_GROUP, 0)
         noise = torch.randint(0, vocab, (rows, seq_len - half), generator=g)
-        wrong = torch.rand(rows, seq_len - half, generator=g) < 0.5
+        wrong = torch.rand(rows, 1, generator=g) < 0.5  # a completion is all right or all noise
         ids = prompts.clone()
         ids[:, half:] = torch.where(wrong, noise, prompts[:, half:])
         labels = shifted_labels(ids)

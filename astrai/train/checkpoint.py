@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, TrainConfig
-from astrai.model import load_pretrained, save_pretrained
+from astrai.model import load_pretrained, param_shapes, save_pretrained
 
 FORMAT = 1
 TOKENIZER_FILES = (
@@ -134,6 +134,28 @@ def remove_partial_checkpoints(run_dir: str | Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def canonical_order(params: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Params in the model's own key order (files list keys alphabetically). The order decides
+    the summation order of the global gradient norm, so a resumed run must use the same one."""
+    order = {k: i for i, k in enumerate(param_shapes(cfg))}
+    return dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
+def _ordered_like(tree: dict, like: dict) -> dict:
+    """`tree`'s entries in the key order of `like` (nested dicts alike)."""
+    out = {}
+    for k, ref in like.items():
+        if k in tree:
+            out[k] = _ordered_like(tree[k], ref) if isinstance(ref, dict) else tree[k]
+    return out
+
+
+def _fresh(t: torch.Tensor, device) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    out.copy_(t)
+    return out
+
+
 def load_train_state(
     path: str | Path,
     train_cfg: TrainConfig | None = None,
@@ -150,15 +172,25 @@ def load_train_state(
     meta = json.loads((path / "train_state.json").read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown train state format {meta.get('format')!r}")
-    flat = {k: v.to(device) for k, v in load_file(path / "train_state.safetensors").items()}
+    flat = load_file(path / "train_state.safetensors")
+    # Fresh allocations: tensors read from a file sit at whatever alignment the file gives them,
+    # and vectorised kernels round differently on unaligned memory; a resumed run must compute
+    # exactly what the uninterrupted run did.
+    params = canonical_order({k: _fresh(v, device) for k, v in params.items()}, saved_model_cfg)
+    flat = {k: _fresh(v, device) for k, v in flat.items()}
     rng = flat.pop("rng").cpu()
     tree = _unflatten({**flat, **meta["scalars"]})
+    lora = tree.get("lora")
+    if lora is not None:
+        lora = {**lora, "weights": _ordered_like(lora["weights"], params)}
+    trainable = params if lora is None else lora["weights"]
+    opt = {k: _ordered_like(v, trainable) if k in ("m", "v") else v for k, v in tree["opt"].items()}
     if train_cfg is None:
         train_cfg = msgspec.convert(meta["train_config"], TrainConfig)
     return {
         "params": params,
-        "lora": tree.get("lora"),
-        "opt": tree["opt"],
+        "lora": lora,
+        "opt": opt,
         "step": meta["step"],
         "skipped": meta["skipped"],
         "bad_streak": meta["bad_streak"],

@@ -19,6 +19,7 @@ from astrai.config import ModelConfig, TrainConfig, model_config_from_json
 from astrai.model import init_params, load_pretrained, merge_lora, save_pretrained
 from astrai.train.batches import BatchSource, open_batches, rows_per_rank, with_rank
 from astrai.train.checkpoint import (
+    canonical_order,
     copy_tokenizer,
     latest_checkpoint,
     load_train_state,
@@ -58,7 +59,8 @@ class Run(NamedTuple):
 def initial_params(train_cfg: TrainConfig, device) -> tuple[dict, ModelConfig]:
     """The params training starts from: `init_from`'s weights, or a fresh `[model]` at `seed`."""
     if train_cfg.init_from:
-        return load_pretrained(train_cfg.init_from, device=device)
+        params, cfg = load_pretrained(train_cfg.init_from, device=device)
+        return canonical_order(params, cfg), cfg
     return init_params(train_cfg.model, seed=train_cfg.seed, device=device), train_cfg.model
 
 
@@ -104,7 +106,8 @@ def run_step(state: dict, batch: dict, run: Run) -> tuple[dict, dict]:
     step = state["step"]
     run.throughput.update(metrics["tokens"])
     metrics = {"step": step, **metrics, "tokens_per_s": run.throughput.tokens_per_s()}
-    if cfg.eval_every and step % cfg.eval_every == 0 and run.valid is not None:
+    due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
+    if due and run.valid is not None:
         metrics["eval_loss"] = evaluate(state, run)
     if run.dist.is_main and (
         step % cfg.log_every == 0 or step == cfg.max_steps or "eval_loss" in metrics
@@ -178,12 +181,6 @@ def train(
             last_saved = state["step"]
     if last_saved != state["step"]:
         save_checkpoint(state, run)
-    if run.valid is not None and not train_cfg.eval_every:
-        eval_loss = evaluate(state, run)
-        if dist.is_main:
-            append_metrics(
-                run_dir / "metrics.jsonl", {"step": state["step"], "eval_loss": eval_loss}
-            )
     if dist.is_main:
         export_model(state, run_dir / "model", train_cfg.tokenizer)
     barrier()

@@ -52,6 +52,14 @@ def decay_mask(
     return tree_map(lambda t: t.dim() >= 2 or decay_norms, params)
 
 
+def leaves_like(tree: Tree, like: Tree) -> list:
+    """The leaves of `tree` in the order of `like`'s keys: moments read back from a checkpoint
+    may list their keys in another order than the params, and leaves are paired by position."""
+    if isinstance(like, dict):
+        return [leaf for k in like for leaf in leaves_like(tree[k], like[k])]
+    return [tree]
+
+
 def _split(leaves: list, mask: list[bool]) -> list:
     return [x for x, m in zip(leaves, mask) if m]
 
@@ -65,7 +73,7 @@ def _decay(params: list, mask: list[bool], lr: float, weight_decay: float) -> No
 def _mask_leaves(params: Tree, mask: Tree | None) -> list[bool]:
     if mask is None:
         return [True] * len(tree_flatten(params)[0])
-    return tree_flatten(mask)[0]
+    return leaves_like(mask, params)
 
 
 def adamw(
@@ -87,8 +95,8 @@ def adamw(
         return {"count": 0, "m": zeros, "v": tree_map(torch.zeros_like, params)}
 
     def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
-        p, g = tree_flatten(params)[0], tree_flatten(grads)[0]
-        m, v = tree_flatten(state["m"])[0], tree_flatten(state["v"])[0]
+        p = tree_flatten(params)[0]
+        g, m, v = (leaves_like(t, params) for t in (grads, state["m"], state["v"]))
         count = state["count"] + 1
         decays = _mask_leaves(params, mask)
         if fused:
@@ -142,7 +150,8 @@ def sgd(
         return {"count": 0, "m": tree_map(torch.zeros_like, params)}
 
     def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
-        p, g, buf = (tree_flatten(t)[0] for t in (params, grads, state["m"]))
+        p = tree_flatten(params)[0]
+        g, buf = leaves_like(grads, params), leaves_like(state["m"], params)
         _decay(p, _mask_leaves(params, mask), lr, weight_decay)
         if momentum:
             torch._foreach_mul_(buf, momentum)
@@ -171,7 +180,8 @@ def lion(
         return {"count": 0, "m": tree_map(torch.zeros_like, params)}
 
     def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
-        p, g, m = (tree_flatten(t)[0] for t in (params, grads, state["m"]))
+        p = tree_flatten(params)[0]
+        g, m = leaves_like(grads, params), leaves_like(state["m"], params)
         _decay(p, _mask_leaves(params, mask), lr, weight_decay)
         direction = torch._foreach_lerp(m, g, 1.0 - beta1)
         torch._foreach_sign_(direction)

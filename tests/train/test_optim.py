@@ -1,0 +1,176 @@
+"""Optimizers match torch.optim step for step; schedules keep their shape."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from astrai.config import ScheduleConfig
+from astrai.train.optim import adamw, decay_mask, lion, sgd
+from astrai.train.schedules import lr_at
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(10, 4, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=g),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(4, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(4, generator=g),
+        "lm_head.weight": torch.randn(10, 4, generator=g),
+    }
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+
+
+def _torch_run(params, make, mask, steps, lrs):
+    """The same steps through torch.optim, with decay and no-decay parameter groups."""
+    tensors = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    groups = [
+        {"params": [t for k, t in tensors.items() if mask[k]]},
+        {"params": [t for k, t in tensors.items() if not mask[k]], "weight_decay": 0.0},
+    ]
+    opt = make(groups)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lrs[step]
+        for k, t in tensors.items():
+            t.grad = _grads(params, step)[k]
+        opt.step()
+    return {k: t.detach() for k, t in tensors.items()}
+
+
+def _our_run(params, optimizer, steps, lrs):
+    params = {k: v.clone() for k, v in params.items()}
+    state = optimizer.init(params)
+    for step in range(steps):
+        params, state = optimizer.update(params, _grads(params, step), state, lrs[step])
+    return params
+
+
+LRS = [1e-2, 2e-2, 5e-3, 1e-2, 1e-3, 3e-2]
+
+
+def test_adamw_matches_torch_step_for_step():
+    params = _params()
+    mask = decay_mask(params)
+    for steps in range(1, len(LRS) + 1):
+        ours = _our_run(params, adamw(0.9, 0.95, 1e-8, 0.1, mask), steps, LRS)
+        ref = _torch_run(
+            params,
+            lambda g: torch.optim.AdamW(g, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+            mask,
+            steps,
+            LRS,
+        )
+        for k in params:
+            torch.testing.assert_close(ours[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_fused_adamw_agrees_with_foreach():
+    params, mask = _params(), decay_mask(_params())
+    a = _our_run(params, adamw(0.9, 0.99, 1e-8, 0.1, mask), 4, LRS)
+    b = _our_run(params, adamw(0.9, 0.99, 1e-8, 0.1, mask, fused=True), 4, LRS)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_matches_torch(nesterov):
+    params = _params()
+    mask = decay_mask(params)
+    ours = _our_run(params, sgd(0.9, nesterov, 0.0, mask), 5, LRS)
+    ref = _torch_run(
+        params, lambda g: torch.optim.SGD(g, momentum=0.9, nesterov=nesterov), mask, 5, LRS
+    )
+    for k in params:
+        torch.testing.assert_close(ours[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_lion_matches_its_definition():
+    params, b1, b2, wd = _params(), 0.9, 0.99, 0.1
+    mask = decay_mask(params)
+    ours = _our_run(params, lion(b1, b2, wd, mask), 4, LRS)
+    ref = {k: v.clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in params.items()}
+    for step in range(4):
+        grads, lr = _grads(params, step), LRS[step]
+        for k in ref:
+            update = torch.sign(b1 * m[k] + (1 - b1) * grads[k])
+            decay = wd if mask[k] else 0.0
+            ref[k] = ref[k] * (1 - lr * decay) - lr * update
+            m[k] = b2 * m[k] + (1 - b2) * grads[k]
+    for k in params:
+        torch.testing.assert_close(ours[k], ref[k])
+
+
+def test_decay_mask_spares_norms_biases_and_embeddings():
+    mask = decay_mask(_params())
+    assert mask == {
+        "model.embed_tokens.weight": False,
+        "model.layers.0.self_attn.q_proj.weight": True,
+        "model.layers.0.self_attn.q_proj.bias": False,
+        "model.layers.0.input_layernorm.weight": False,
+        "lm_head.weight": True,
+    }
+    everything = decay_mask(_params(), True, True, True)
+    assert all(everything.values())
+
+
+def test_optimizers_update_in_place_and_count():
+    params = _params()
+    before = {k: v.data_ptr() for k, v in params.items()}
+    opt = adamw(weight_decay=0.1, mask=decay_mask(params))
+    new, state = opt.update(params, _grads(params, 0), opt.init(params), 1e-2)
+    assert {k: v.data_ptr() for k, v in new.items()} == before
+    assert state["count"] == 1
+
+
+# --- schedules ----------------------------------------------------------------------------
+
+
+def test_warmup_then_cosine_ends_at_the_floor():
+    sched = ScheduleConfig(name="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, sched, 1.0, 100) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[10:]))  # non-increasing after warmup
+    assert lrs[100] == pytest.approx(0.1)
+
+
+def test_sgdr_restarts_with_growing_cycles():
+    sched = ScheduleConfig(name="sgdr", cycle_steps=10, cycle_mult=2.0, min_lr_ratio=0.0)
+    lrs = [lr_at(s, sched, 1.0, 100) for s in range(70)]
+    restarts = [s for s in range(1, 70) if lrs[s] > lrs[s - 1] + 1e-9]
+    assert restarts == [10, 30]  # cycles of 10, 20, 40 steps
+    assert lrs[0] == lrs[10] == lrs[30] == pytest.approx(1.0)
+
+
+def test_wsd_holds_then_decays():
+    sched = ScheduleConfig(name="wsd", warmup_steps=5, decay_fraction=0.2, min_lr_ratio=0.0)
+    lrs = [lr_at(s, sched, 2.0, 100) for s in range(101)]
+    assert all(lr == 2.0 for lr in lrs[5:80])
+    assert lrs[90] == pytest.approx(1.0) and lrs[100] == pytest.approx(0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["constant", "cosine", "sgdr", "wsd"]),
+    warmup=st.integers(0, 50),
+    total=st.integers(1, 500),
+    step=st.integers(0, 600),
+    floor=st.floats(0.0, 1.0),
+)
+def test_every_schedule_stays_between_zero_and_peak(name, warmup, total, step, floor):
+    sched = ScheduleConfig(name=name, warmup_steps=warmup, min_lr_ratio=floor, cycle_steps=7)
+    lr = lr_at(step, sched, 3e-4, total)
+    assert math.isfinite(lr) and 0.0 <= lr <= 3e-4 * (1 + 1e-9)
+    if step < warmup or floor > 1e-6:
+        assert lr > 0.0

@@ -1,0 +1,162 @@
+"""train_step: losses fall for every kind, accumulation and LoRA behave, bad steps are skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_run import TINY, same_tensors, tiny_train_config
+
+from astrai.model import forward, init_params
+from astrai.train import (
+    TrainingDiverged,
+    init_train_state,
+    synthetic_batch,
+    token_logps,
+    train_step,
+    with_reference_logps,
+)
+from astrai.train.batches import GRPO_GROUP
+
+
+def _batch(kind, index, rows=8, seq_len=16):
+    return synthetic_batch(kind, 0, index, rows, seq_len, TINY.vocab_size)
+
+
+def _train(kind, steps, **overrides):
+    cfg = tiny_train_config(kind=kind, **overrides)
+    params = init_params(TINY, seed=0)
+    reference = {k: v.clone() for k, v in params.items()}
+    state = init_train_state(params, cfg)
+    history = []
+    for i in range(steps):
+        batch = with_reference_logps(_batch(kind, i), kind, reference, TINY, cfg.loss)
+        state, metrics = train_step(state, batch)
+        history.append(metrics)
+    return state, history
+
+
+@pytest.mark.parametrize("kind", ["seq", "sft"])
+def test_next_token_losses_fall(kind):
+    _, history = _train(kind, 30)
+    first, last = history[0]["loss"], sum(m["loss"] for m in history[-5:]) / 5
+    assert last < 0.8 * first
+
+
+def test_dpo_learns_to_prefer_chosen():
+    _, history = _train("dpo", 30, loss={"dpo_beta": 0.5})
+    assert history[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2 before any update
+    assert history[-1]["loss"] < 0.4
+    assert history[-1]["reward_accuracy"] == 1.0
+
+
+def _correct_logp(params, seed=99):
+    """Mean log-prob of the correct (counting) completions of fresh prompts."""
+    batch = synthetic_batch("sft", seed, 0, 8, 16, TINY.vocab_size)
+    with torch.no_grad():
+        logp = token_logps(forward(params, TINY, batch["input_ids"]), batch["labels"])
+    return (logp.sum() / (batch["labels"] != -100).sum()).item()
+
+
+def test_grpo_raises_the_probability_of_rewarded_completions():
+    before = _correct_logp(init_params(TINY, seed=0))
+    state, history = _train("grpo", 40, loss={"grpo_kl_beta": 0.01})
+    assert _correct_logp(state["params"]) > before + 0.4
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in history)
+    assert history[-1]["kl"] > 0
+
+
+def test_accumulation_equals_one_big_batch():
+    """Token-weighted micro-batches: 4 micro-batches of unequal label counts give the update
+    of the whole batch at once."""
+    batch = _batch("sft", 0)
+    batch["labels"][:2, :10] = -100  # rows with fewer trained tokens
+    results = []
+    for accum in (1, 4):
+        cfg = tiny_train_config(kind="sft", grad_accum=accum, optimizer={"max_grad_norm": 0.0})
+        state = init_train_state(init_params(TINY, seed=0), cfg)
+        for _ in range(2):
+            state, metrics = train_step(state, batch)
+        results.append((state["params"], metrics["loss"]))
+    for k in results[0][0]:
+        torch.testing.assert_close(results[0][0][k], results[1][0][k], rtol=1e-4, atol=1e-5)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-5)
+
+
+def test_a_list_of_micro_batches_is_taken_as_given():
+    batch = _batch("seq", 0)
+    cfg = tiny_train_config()
+    whole, _ = train_step(init_train_state(init_params(TINY), cfg), batch)
+    parts = [{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}]
+    split, _ = train_step(init_train_state(init_params(TINY), cfg), parts)
+    for k in whole["params"]:
+        torch.testing.assert_close(whole["params"][k], split["params"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_lora_trains_only_the_adapters():
+    cfg = tiny_train_config(lora={"rank": 4, "alpha": 8.0}, optimizer={"lr": 1e-2})
+    params = init_params(TINY, seed=0)
+    frozen = {k: v.clone() for k, v in params.items()}
+    state = init_train_state(params, cfg)
+    start = {k: {n: t.clone() for n, t in v.items()} for k, v in state["lora"]["weights"].items()}
+    losses = []
+    for i in range(25):
+        state, metrics = train_step(state, _batch("seq", i))
+        losses.append(metrics["loss"])
+    assert same_tensors(state["params"], frozen)
+    moved = [not torch.equal(start[k]["B"], v["B"]) for k, v in state["lora"]["weights"].items()]
+    assert all(moved)
+    assert losses[-1] < losses[0]
+
+
+def test_activation_checkpointing_gives_the_same_step():
+    results = []
+    for ckpt in (False, True):
+        state = init_train_state(
+            init_params(TINY), tiny_train_config(activation_checkpointing=ckpt)
+        )
+        for i in range(2):
+            state, _ = train_step(state, _batch("seq", i))
+        results.append(state["params"])
+    for k in results[0]:
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
+
+
+def _bad_batch(index):
+    batch = synthetic_batch("grpo", 0, index, GRPO_GROUP * 2, 16, TINY.vocab_size)
+    return {**batch, "advantages": torch.full((GRPO_GROUP * 2,), float("nan"))}
+
+
+def test_non_finite_steps_are_skipped_and_then_stop_training():
+    cfg = tiny_train_config(kind="grpo", max_bad_steps=3, loss={"grpo_kl_beta": 0.0})
+    state = init_train_state(init_params(TINY), cfg)
+    state, _ = train_step(state, _batch("grpo", 0))
+    params = {k: v.clone() for k, v in state["params"].items()}
+    moments = {k: v.clone() for k, v in state["opt"]["m"].items()}
+    state, metrics = train_step(state, _bad_batch(1))
+    assert metrics["step_skipped"] and metrics["skipped"] == 1
+    assert same_tensors(state["params"], params) and same_tensors(state["opt"]["m"], moments)
+    assert state["opt"]["count"] == 1 and state["step"] == 2
+    state, _ = train_step(state, _bad_batch(2))
+    state, metrics = train_step(state, _batch("grpo", 3))  # a good step resets the streak
+    assert state["bad_streak"] == 0 and metrics["skipped"] == 2
+    state, _ = train_step(state, _bad_batch(4))
+    state, _ = train_step(state, _bad_batch(5))
+    with pytest.raises(TrainingDiverged, match="3 steps in a row"):
+        train_step(state, _bad_batch(6))
+
+
+def test_compile_falls_back_to_eager_with_a_message(monkeypatch, capsys):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C compiler found")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    eager = init_train_state(init_params(TINY), tiny_train_config(max_steps=21))
+    compiled = init_train_state(init_params(TINY), tiny_train_config(max_steps=21, compile=True))
+    for i in range(2):
+        eager, _ = train_step(eager, _batch("seq", i))
+        compiled, _ = train_step(compiled, _batch("seq", i))
+    assert "torch.compile failed" in capsys.readouterr().err
+    assert same_tensors(eager["params"], compiled["params"])
