@@ -8,6 +8,7 @@ on their cadence). Producers of online GRPO rollouts call `run_step` once per ro
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import NamedTuple, TextIO
@@ -22,6 +23,7 @@ from astrai.train.checkpoint import (
     canonical_order,
     copy_tokenizer,
     latest_checkpoint,
+    list_checkpoints,
     load_train_state,
     remove_partial_checkpoints,
     save_train_state,
@@ -105,13 +107,16 @@ def run_step(state: dict, batch: dict, run: Run) -> tuple[dict, dict]:
     state, metrics = train_step(state, prepare_batch(batch, state, run))
     step = state["step"]
     run.throughput.update(metrics["tokens"])
-    metrics = {"step": step, **metrics, "tokens_per_s": run.throughput.tokens_per_s()}
+    metrics = {"step": step, **metrics}
     due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
-    if due and run.valid is not None:
+    eval_now = due and run.valid is not None
+    log_now = run.dist.is_main and (step % cfg.log_every == 0 or eval_now or step == cfg.max_steps)
+    if log_now:
+        metrics["tokens_per_s"] = run.throughput.tokens_per_s()
+    if eval_now:
         metrics["eval_loss"] = evaluate(state, run)
-    if run.dist.is_main and (
-        step % cfg.log_every == 0 or step == cfg.max_steps or "eval_loss" in metrics
-    ):
+        run.throughput.reset_window()  # evaluation time is not training speed
+    if log_now:
         append_metrics(run.run_dir / "metrics.jsonl", metrics)
         if cfg.progress:
             eta = run.throughput.eta(step, cfg.max_steps)
@@ -157,6 +162,9 @@ def train(
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         remove_partial_checkpoints(run_dir)
+        if resume is False:  # starting over: older checkpoints would be mistaken for this run's
+            for old in list_checkpoints(run_dir):
+                shutil.rmtree(old)
     barrier()
     ckpt = resume_point(run_dir, resume)
     probe_cfg = train_cfg.model or model_config_from_json(Path(train_cfg.init_from) / "config.json")

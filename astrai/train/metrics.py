@@ -47,13 +47,21 @@ class Throughput:
     """Tokens per second and time left, measured since the run (or resume) started."""
 
     def __init__(self, start_step: int) -> None:
-        self.start_step, self.start_time, self.tokens = start_step, time.perf_counter(), 0.0
+        self.start_step, self.start_time = start_step, time.perf_counter()
+        self.window_start, self.window_tokens = self.start_time, 0.0
 
     def update(self, tokens: float) -> None:
-        self.tokens += tokens
+        self.window_tokens += tokens
 
     def tokens_per_s(self) -> float:
-        return self.tokens / max(time.perf_counter() - self.start_time, 1e-9)
+        """The rate since the previous call: recent speed, not diluted by start-up time."""
+        now = time.perf_counter()
+        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_start, self.window_tokens = now, 0.0
+        return rate
+
+    def reset_window(self) -> None:
+        self.window_start, self.window_tokens = time.perf_counter(), 0.0
 
     def eta(self, step: int, max_steps: int) -> float:
         done = step - self.start_step

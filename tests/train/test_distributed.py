@@ -1,0 +1,40 @@
+"""Data parallel through torchrun (gloo, 2 CPU processes) gives the parameters of one process
+training on the same global batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_run import ROOT, run_program, tiny_config, write_toml
+
+from astrai.model import load_pretrained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sft"])
+def test_two_ranks_match_one(tmp_path, kind):
+    cfg = tiny_config(
+        kind=kind,
+        max_steps=6,
+        batch_size=8,
+        grad_accum=2,
+        checkpoint_every=3,
+        bucket_mb=0.01,  # several buckets even for a tiny model
+        schedule={"name": "cosine", "warmup_steps": 2},
+    )
+    one = write_toml(tmp_path / "one.toml", {**cfg, "out_dir": "one"})
+    two = write_toml(tmp_path / "two.toml", {**cfg, "out_dir": "two"})
+    single = run_program(str(ROOT / "programs" / "train.py"), str(one))
+    assert single.returncode == 0, single.stderr
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    multi = run_program(*launch, str(ROOT / "programs" / "train.py"), str(two), timeout=180)
+    assert multi.returncode == 0, multi.stderr
+    a, _ = load_pretrained(tmp_path / "one" / "model")
+    b, _ = load_pretrained(tmp_path / "two" / "model")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    start, _ = load_pretrained(tmp_path / "one" / "checkpoints" / "step_00000003")
+    assert any(not torch.equal(start[k], a[k]) for k in a)  # training did move the weights
+    # Rank 0 alone wrote the log and the checkpoints.
+    lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(set(lines))
