@@ -230,8 +230,9 @@ class Engine:
     def close(self) -> None:
         """Abort what is left and stop the engine thread."""
         if not self._closed:
+            self._closed = True
             self._inbox.put(("close", None))
-            self._thread.join()
+        self._thread.join()
 
     def __enter__(self) -> Engine:
         return self
@@ -332,7 +333,11 @@ class Engine:
                 except queue.Empty:
                     message = None
             if self._sched.running or self._sched.waiting:
-                self._step()
+                try:
+                    self._step()
+                except Exception as exc:  # never let the thread die with callers waiting
+                    for seq in [*self._sched.running, *self._sched.waiting]:
+                        self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
             self._refresh_snapshot()
 
     def _handle(self, kind: str, payload) -> bool:
@@ -348,15 +353,25 @@ class Engine:
             case "params":
                 params, done = payload
                 self._params = self._prepare(params)
-                if self._sched.cache is not None:
-                    s = self._sched
+                s = self._sched
+                if s.cache is not None:
                     s.pool = clear_prefix_cache(s.cache, s.pool)
+                for seq in [*s.running, *s.waiting]:  # their K/V came from the old weights
+                    seq.cacheable = False
                 self._refresh_snapshot()
                 done.set()
             case "close":
                 for seq in [*self._sched.running, *self._sched.waiting]:
                     self._finish(seq, "abort")
-                self._closed = True
+                while True:  # submissions that raced with close
+                    try:
+                        kind, payload = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if kind == "submit":
+                        self._finish(payload, "abort")
+                    elif kind == "params":
+                        payload[1].set()
                 self._refresh_snapshot()
                 return False
         return True
@@ -375,12 +390,7 @@ class Engine:
         return None
 
     def _step(self) -> None:
-        try:
-            plan = plan_step(self._sched)
-        except Exception as exc:  # a scheduling bug must not stop the engine
-            for seq in [*self._sched.running, *self._sched.waiting]:
-                self._finish(seq, "error", error=f"scheduler failed: {exc!r}")
-            return
+        plan = plan_step(self._sched)  # a failure here fails every request (see _loop)
         if not plan.decode and not plan.prefill:
             return
         try:

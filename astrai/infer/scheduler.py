@@ -38,6 +38,7 @@ class Sequence:
     computed: int = 0  # leading tokens whose K/V are in `pages`
     cached_tokens: int = -1  # prompt tokens the prefix cache gave at first admission
     preemptions: int = 0
+    cacheable: bool = True  # False once its K/V may come from weights since replaced
     data: Any = None  # whatever the caller keeps with the sequence
 
     @property
@@ -177,7 +178,7 @@ def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> None:
         s.running.remove(seq)
     elif seq in s.waiting:
         s.waiting.remove(seq)
-    if cache and s.cache is not None and seq.pages:
+    if cache and seq.cacheable and s.cache is not None and seq.pages:
         s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
     if seq.pages:
         s.pool = free_pages(s.pool, seq.pages)
@@ -187,5 +188,5 @@ def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> None:
 def cache_prompt(s: Scheduler, seq: Sequence) -> None:
     """Offer a fully prefilled prompt's full pages to the prefix cache, so requests that
     arrive while this one still runs can share them."""
-    if s.cache is not None:
+    if seq.cacheable and s.cache is not None:
         s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)

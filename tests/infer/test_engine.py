@@ -289,6 +289,35 @@ def test_update_params_swaps_weights_and_clears_the_cache():
     assert out.token_ids == greedy_reference(other, cfg, prompt, 5)
 
 
+def test_requests_running_across_update_params_are_not_cached():
+    params, cfg = make_model("gqa", seed=0)
+    other, _ = make_model("gqa", seed=1)
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
+        stream = engine.stream(prompts_for(cfg, [9])[0], max_tokens=30, **GREEDY)
+        next(stream)
+        engine.update_params(other)
+        assert list(stream)[-1].finish_reason == "length"
+        assert_pool_back(engine)
+        assert engine.stats()["pages_cached"] == 0  # its K/V mix old and new weights
+
+
+def test_close_aborts_what_is_left():
+    params, cfg = make_model("gqa")
+    engine = Engine(params, cfg, None, page_size=4, max_seq_len=256)
+    results = []
+    waiter = threading.Thread(
+        target=lambda: results.extend(engine.generate([[1, 2, 3]] * 3, max_tokens=200, **GREEDY))
+    )
+    waiter.start()
+    while engine.stats()["running"] == 0:
+        time.sleep(0.005)
+    engine.close()
+    waiter.join(timeout=10)
+    assert [c.finish_reason for c in results] == ["abort"] * 3
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([1])
+
+
 def test_stats_report_the_engine():
     params, cfg = make_model("gqa")
     with Engine(params, cfg, None, page_size=4, max_seq_len=64, num_pages=32) as engine:
