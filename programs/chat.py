@@ -155,4 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # outside a reply, e.g. while the model loads: just leave
+        sys.exit(130)
