@@ -1,0 +1,86 @@
+"""plan_step: decoding goes on while long prompts advance in chunks; pages run out gracefully."""
+
+from __future__ import annotations
+
+import astrai as ai
+from astrai.infer import init_pages, num_free_pages
+from astrai.infer.scheduler import (
+    Sequence,
+    add_sequence,
+    finish_sequence,
+    init_scheduler,
+    plan_step,
+)
+
+CFG = ai.ModelConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
+
+
+def scheduler(num_pages=64, page_size=4, max_batch=8, prefill_chunk=16, prefix_cache=True):
+    pool = init_pages(CFG, num_pages, page_size)
+    return init_scheduler(pool, page_size, max_batch, prefill_chunk, prefix_cache)
+
+
+def run_plan(plan, sample=7):
+    """What the engine does after the model ran: advance, and sample where a prompt ended."""
+    for seq in plan.decode:
+        seq.computed += 1
+        seq.tokens.append(sample)
+    for seq, n in plan.prefill:
+        seq.computed += n
+        if seq.pending == 0:
+            seq.tokens.append(sample)
+
+
+def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
+    s = scheduler(prefill_chunk=16)
+    short = Sequence("short", [1, 2, 3], 3)
+    add_sequence(s, short)
+    run_plan(plan_step(s))  # the short prompt is prefilled and decoding
+    long = Sequence("long", list(range(16)) * 5, 80)
+    add_sequence(s, long)
+    steps = 0
+    while long.pending > 1 or not long.computed:
+        plan = plan_step(s)
+        assert plan.decode == [short]  # one token per step for the running stream
+        assert [(seq.id, n) for seq, n in plan.prefill] == [("long", min(16, long.pending))]
+        run_plan(plan)
+        steps += 1
+    assert steps == 5  # 80 prompt tokens in chunks of 16
+
+
+def test_padded_prefill_batch_stays_within_the_budget():
+    s = scheduler(prefill_chunk=12, max_batch=8)
+    for i in range(6):
+        add_sequence(s, Sequence(f"s{i}", [1] * (3 + i), 3 + i))
+    plan = plan_step(s)
+    width = max(n for _, n in plan.prefill)
+    assert len(plan.prefill) * width <= 12
+    assert len(s.running) == 6
+
+
+def test_max_batch_limits_running_sequences():
+    s = scheduler(max_batch=2)
+    for i in range(4):
+        add_sequence(s, Sequence(f"s{i}", [1, 2], 2))
+    plan_step(s)
+    assert [seq.id for seq in s.running] == ["s0", "s1"]
+    assert len(s.waiting) == 2
+
+
+def test_out_of_pages_preempts_the_newest_and_frees_its_pages():
+    s = scheduler(num_pages=6, page_size=4, prefix_cache=False)
+    a, b = Sequence("a", [1] * 8, 8), Sequence("b", [2] * 8, 8)
+    add_sequence(s, a)
+    add_sequence(s, b)
+    run_plan(plan_step(s))  # both prefilled: 2 pages each, 2 free
+    for _ in range(12):
+        plan = plan_step(s)
+        run_plan(plan)
+        if plan.preempted:
+            break
+    assert plan.preempted == [b]
+    assert b.pages == [] and b.computed == 0 and s.waiting[0] is b
+    assert b.tokens[:8] == [2] * 8 and len(b.tokens) > 8  # generated tokens are kept
+    finish_sequence(s, a)
+    finish_sequence(s, b)
+    assert num_free_pages(s.pool) == 6
