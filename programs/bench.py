@@ -4,7 +4,7 @@
 
 Our code and transformers run side by side on the same weights and inputs, in alternating
 rounds, and the table reports ratios (on a shared machine absolute numbers are noise; ratios
-measured side by side are not). Sections: bandwidth, decode, throughput, prefill, train,
+measured side by side are not). Sections: limit, decode, throughput, prefill, train,
 serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, chart.png);
 docs/benchmarks.md explains how to read them.
 """

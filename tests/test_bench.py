@@ -14,8 +14,12 @@ import torch
 
 import astrai
 from astrai.bench import ours
-from astrai.bench.bandwidth import decode_bytes_per_token
 from astrai.bench.chart import Panel, encode_png, render_png
+from astrai.bench.limits import (
+    decode_bytes_per_token,
+    decode_flops_per_token,
+    roofline_tokens_per_s,
+)
 from astrai.bench.run import selected_sections
 from astrai.bench.timing import interleave, percentile
 from astrai.config import ModelConfig
@@ -70,8 +74,8 @@ def test_without_reference_and_with_a_missing_piece(tmp_path, monkeypatch, capsy
     assert prefill_rows and all("ratio" not in r for r in prefill_rows)
 
 
-def test_sections_are_validated_and_decode_brings_bandwidth():
-    assert selected_sections(("decode",)) == ["bandwidth", "decode"]
+def test_sections_are_validated_and_decoding_brings_the_limits():
+    assert selected_sections(("decode",)) == ["limit", "decode"]
     assert selected_sections(("serve", "train")) == ["train", "serve"]
     with pytest.raises(ValueError, match="unknown section"):
         selected_sections(("decoding",))
@@ -122,3 +126,19 @@ def test_decode_bytes_count_every_weight_once_and_one_embedding_row(tied):
     expected += cfg.hidden_size + (head.numel() if tied else 0)
     assert decode_bytes_per_token(cfg, torch.float32) == 4 * expected
     assert decode_bytes_per_token(cfg, torch.bfloat16) == 2 * expected
+
+
+def test_roofline_is_memory_bound_at_batch_1_and_compute_bound_when_large():
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    limits = {
+        "bandwidth_gb_s": 20.0,
+        "matmul_gflops": 100.0,
+        "bytes_per_token": decode_bytes_per_token(cfg, torch.float32),
+        "flops_per_token": decode_flops_per_token(cfg),
+    }
+    # two flops per weight, and the weights are read once per step whatever the batch
+    assert limits["flops_per_token"] == 2 * (limits["bytes_per_token"] // 4 - cfg.hidden_size)
+    one = roofline_tokens_per_s(limits, 1)
+    assert one == pytest.approx(20e9 / limits["bytes_per_token"])
+    assert roofline_tokens_per_s(limits, 4) == pytest.approx(4 * one)
+    assert roofline_tokens_per_s(limits, 10**6) == pytest.approx(100e9 / limits["flops_per_token"])

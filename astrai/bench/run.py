@@ -40,14 +40,14 @@ class Options:
 
 
 def selected_sections(only: tuple[str, ...]) -> list[str]:
-    """The sections to run, in their fixed order; decode brings the bandwidth it is measured
-    against."""
+    """The sections to run, in their fixed order; decode and throughput bring the limits they
+    are measured against."""
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
     wanted = set(only or SECTIONS)
-    if "decode" in wanted:
-        wanted.add("bandwidth")
+    if wanted & {"decode", "throughput"}:
+        wanted.add("limit")
     return [name for name in SECTIONS if name in wanted]
 
 
@@ -199,7 +199,7 @@ def chart_panels(rows: list[dict]) -> list[Panel]:
     ]
     return [
         Panel("ours / reference, tokens per second (1.0 = same speed)", ratios, 1.0, "{:.2f}x"),
-        Panel("batch-1 decode, share of the bandwidth roofline", shares, 1.0, "{:.0%}"),
+        Panel("decoding, share of the roofline (memory or compute)", shares, 1.0, "{:.0%}"),
     ]
 
 

@@ -11,7 +11,13 @@ from pathlib import Path
 import torch
 
 from astrai.bench import ours, reference
-from astrai.bench.bandwidth import decode_bytes_per_token, roofline_tokens_per_s, stream_bandwidth
+from astrai.bench.limits import (
+    decode_bytes_per_token,
+    decode_flops_per_token,
+    matmul_gflops,
+    roofline_tokens_per_s,
+    stream_bandwidth,
+)
 from astrai.bench.models import Workload, random_prompts
 from astrai.bench.report import compare, figure
 from astrai.bench.timing import interleave, median, timed
@@ -107,19 +113,25 @@ def _reference_rows(b: Bench, section, rates, pairs, unit, targets=None) -> None
 # --- the limit -------------------------------------------------------------------------------
 
 
-def bandwidth(b: Bench) -> None:
+def limit(b: Bench) -> None:
+    """Memory bandwidth and matmul speed, and the decode rooflines they imply."""
     n = 1 << 27 if b.device.type == "cuda" else 1 << 25
     bw = stream_bandwidth(b.device, n)
-    per_token = decode_bytes_per_token(b.cfg, b.dtype)
-    limit = max(bw.values())
-    b.extra |= {
-        "bandwidth_gb_s": bw,
-        "decode_bytes_per_token": per_token,
-        "roofline_tok_s": roofline_tokens_per_s(limit, per_token),
+    limits = {
+        "stream_gb_s": bw,
+        "bandwidth_gb_s": max(bw.values()),
+        "matmul_gflops": matmul_gflops(b.device, b.dtype),
+        "bytes_per_token": decode_bytes_per_token(b.cfg, b.dtype),
+        "flops_per_token": decode_flops_per_token(b.cfg),
     }
+    b.extra["limits"] = limits
     for name, value in bw.items():
         b.rows.append(figure("limit", f"memory bandwidth, {name}", "GB/s", value))
-    b.rows.append(figure("limit", "batch-1 decode roofline", "tok/s", b.extra["roofline_tok_s"]))
+    dtype = str(b.dtype).removeprefix("torch.")
+    b.rows.append(figure("limit", f"matmul peak, {dtype}", "GFLOP/s", limits["matmul_gflops"]))
+    for batch in (1, *b.work.concurrency):
+        roof = roofline_tokens_per_s(limits, batch)
+        b.rows.append(figure("limit", f"decode roofline, batch {batch}", "tok/s", roof))
 
 
 # --- inference ---------------------------------------------------------------------------------
@@ -141,21 +153,20 @@ def decode(b: Bench) -> None:
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
     ]
     _reference_rows(b, "decode", rates, pairs, "tok/s", {"engine": 1.5})
-    _roofline_rows(b, rates)
+    _roofline_rows(b, "decode", rates, 1, 50.0 if b.size == "smol" else None)
     b.extra["greedy_agreement"] = _agreement(outputs)
 
 
-def _roofline_rows(b: Bench, rates: dict[str, list[float]]) -> None:
-    roof = b.extra.get("roofline_tok_s")
-    if not roof:
+def _roofline_rows(b: Bench, section: str, rates: dict, batch: int, target=None) -> None:
+    """Each side's median as a share of the roofline at this batch (when limits were run)."""
+    if "limits" not in b.extra:
         return
+    roof = roofline_tokens_per_s(b.extra["limits"], batch)
     labels = {"engine": "Engine", "loop": "decode_step loop", "transformers": "transformers"}
     for name, values in rates.items():
-        target = 50.0 if name == "engine" and b.size == "smol" else None
-        share = 100 * median(values) / roof
-        b.rows.append(
-            figure("decode", f"{labels[name]}, share of roofline", "%", share, None, target)
-        )
+        label = f"{labels[name]}, batch {batch}, share of roofline"
+        mine = target if name == "engine" else None
+        b.rows.append(figure(section, label, "%", 100 * median(values) / roof, None, mine))
 
 
 def _agreement(outputs: dict[str, dict[int, list[int]]]) -> dict[str, float]:
@@ -191,10 +202,9 @@ def throughput(b: Bench) -> None:
         batches = [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)]
         rates = b.measure(_available(b, calls), batches, c * n)
         targets = {"engine": THROUGHPUT_TARGETS.get(c)}
-        label = f"Engine, {c} concurrent requests"
-        _reference_rows(
-            b, "throughput", rates, [("engine", "transformers", label)], "tok/s", targets
-        )
+        pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
+        _reference_rows(b, "throughput", rates, pairs, "tok/s", targets)
+        _roofline_rows(b, "throughput", rates, c)
 
 
 def prefill(b: Bench) -> None:
@@ -298,7 +308,7 @@ def serve(b: Bench) -> None:
 
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
-    "bandwidth": bandwidth,
+    "limit": limit,
     "decode": decode,
     "throughput": throughput,
     "prefill": prefill,

@@ -1,0 +1,77 @@
+"""The hardware limits of decoding. Each step reads every weight once, so no decoder beats
+memory bandwidth / bytes of weights per step; and each token costs two flops per weight, so
+no batch beats peak matmul speed / flops per token. Both are measured in the same run, on
+the same device and threads, STREAM-style for bandwidth."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from astrai.bench.timing import timed
+from astrai.config import ModelConfig
+from astrai.model import param_shapes
+
+
+def stream_bandwidth(device: torch.device, n: int = 1 << 25, repeats: int = 5) -> dict[str, float]:
+    """GB/s of copy (b = a), triad (a = b + 3c) and read (sum a) over float32 arrays of n
+    elements (128 MiB each by default, far beyond any cache). Best of `repeats`, as STREAM."""
+    a = torch.rand(n, device=device)
+    b = torch.rand(n, device=device)
+    c = torch.rand(n, device=device)
+    size = a.element_size() * n
+    kernels = {
+        "copy": (lambda: b.copy_(a), 2 * size),
+        "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3 * size),
+        "read": (lambda: a.sum(), size),
+    }
+    return {name: _best_rate(fn, nbytes, device, repeats) for name, (fn, nbytes) in kernels.items()}
+
+
+def matmul_gflops(
+    device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5
+) -> float:
+    """Peak-ish matmul speed: the best of `repeats` square n x n products, in GFLOP/s."""
+    a = torch.rand(n, n, device=device).to(dtype)
+    b = torch.rand(n, n, device=device).to(dtype)
+    return _best_rate(lambda: a @ b, 2 * n**3, device, repeats)
+
+
+def _best_rate(fn, units: int, device: torch.device, repeats: int) -> float:
+    fn()  # first touch: page faults and kernel selection are not speed
+    best = min(timed(fn, device)[0] for _ in range(repeats))
+    return units / best / 1e9
+
+
+def _matrix_elements(cfg: ModelConfig) -> tuple[int, int]:
+    """(elements of every weight but the embedding, plus the head's), (hidden size)."""
+    shapes = param_shapes(cfg)
+    vocab, hidden = shapes["model.embed_tokens.weight"]
+    elements = sum(math.prod(s) for k, s in shapes.items() if k != "model.embed_tokens.weight")
+    if "lm_head.weight" not in shapes:
+        elements += vocab * hidden  # the tied head reads the embedding matrix
+    return elements, hidden
+
+
+def decode_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of weights one batch-1 decode step must read: every matrix and norm once, one row
+    of the embedding, and the head (the embedding matrix itself when tied). The K/V cache read
+    is left out: at these lengths it is under 1% of the weights. For MoE every expert is
+    counted, which overstates the bytes of a sparse step."""
+    elements, hidden = _matrix_elements(cfg)
+    return (elements + hidden) * torch.empty((), dtype=dtype).element_size()
+
+
+def decode_flops_per_token(cfg: ModelConfig) -> int:
+    """Two flops (multiply, add) per weight for each token; attention over a short context
+    and the elementwise work are left out (under 2% at these lengths)."""
+    return 2 * _matrix_elements(cfg)[0]
+
+
+def roofline_tokens_per_s(limits: dict, batch: int) -> float:
+    """Tokens/s no decoder can beat at this batch: `batch` tokens per read of the weights,
+    and no faster than the matmul peak allows."""
+    by_memory = batch * limits["bandwidth_gb_s"] * 1e9 / limits["bytes_per_token"]
+    by_compute = limits["matmul_gflops"] * 1e9 / limits["flops_per_token"]
+    return min(by_memory, by_compute)
