@@ -32,7 +32,7 @@ from astrai.infer.scheduler import (
     Sequence,
     StepPlan,
     add_sequence,
-    cache_prompt,
+    advance,
     finish_sequence,
     init_scheduler,
     pages_for,
@@ -434,12 +434,7 @@ class Engine:
             done = [i for i, (seq, n) in enumerate(plan.prefill) if seq.pending == n]
             rows += [plan.prefill[i][0] for i in done]
             logits.append(out[done])
-        for seq in plan.decode:
-            seq.computed += 1
-        for seq, n in plan.prefill:
-            seq.computed += n
-            if seq.pending == 0:
-                cache_prompt(s, seq)
+        advance(s, plan)
         return rows, torch.cat(logits) if rows else None
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor):

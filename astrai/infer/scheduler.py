@@ -93,15 +93,31 @@ def available_pages(s: Scheduler) -> int:
     return free + int((s.pool["refs"][cached] == 1).sum())
 
 
+def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
+    """Whether a running sequence is still prefilling the next full page of seq's prompt.
+    Once it finishes, its prompt is cached and seq reuses those pages instead of computing
+    the same K/V again (n choices of one prompt, a shared system prompt)."""
+    end = (matched + 1) * s.page_size
+    if s.cache is None or end > len(seq.tokens) - 1:
+        return False
+    head = seq.tokens[:end]
+    return any(
+        other.computed < other.prompt_len and other.tokens[:end] == head for other in s.running
+    )
+
+
 def _admit(s: Scheduler) -> None:
-    while s.waiting and len(s.running) < s.max_batch:
-        seq = s.waiting[0]
+    for seq in list(s.waiting):
+        if len(s.running) >= s.max_batch:
+            break
         # never the whole sequence: the last token must be fed to get the next logits
         cached = match_prefix(s.cache, seq.tokens[:-1]) if s.cache is not None else []
+        if _same_prefix_in_prefill(s, seq, len(cached)):
+            continue
         needed = pages_for(len(seq.tokens), s.page_size) - len(cached)
         if s.running and needed > available_pages(s):
             break  # wait for pages rather than thrash; the oldest is always let in
-        s.waiting.popleft()
+        s.waiting.remove(seq)
         s.pool = share_pages(s.pool, cached)
         seq.pages, seq.computed = list(cached), len(cached) * s.page_size
         if seq.cached_tokens < 0:
@@ -185,8 +201,13 @@ def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> None:
     seq.pages = []
 
 
-def cache_prompt(s: Scheduler, seq: Sequence) -> None:
-    """Offer a fully prefilled prompt's full pages to the prefix cache, so requests that
-    arrive while this one still runs can share them."""
-    if seq.cacheable and s.cache is not None:
-        s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+def advance(s: Scheduler, plan: StepPlan) -> None:
+    """Record that the model ran the plan: the fed tokens' K/V are now in the pages. A prompt
+    whose last token was just fed is offered to the prefix cache, so requests that arrive
+    while it still runs can share its pages."""
+    fed = [(seq, 1) for seq in plan.decode] + plan.prefill
+    for seq, n in fed:
+        seq.computed += n
+        prompt_done = seq.computed - n < seq.prompt_len <= seq.computed
+        if prompt_done and seq.cacheable and s.cache is not None:
+            s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)

@@ -327,3 +327,12 @@ def test_stats_report_the_engine():
     assert stats["completion_tokens"] == 6 and stats["requests_finished"] == 2
     assert stats["prompt_tokens"] == 11
     assert {"tokens_per_s", "prefix_cache_hit_rate", "running", "waiting"} <= stats.keys()
+
+
+def test_requests_submitted_together_share_their_prompt_pages():
+    params, cfg = make_model("gqa")
+    prompt = prompts_for(cfg, [18])[0]
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
+        outs = engine.generate([prompt] * 3, max_tokens=4, **GREEDY)
+    assert [o.usage.cached_tokens for o in outs] == [0, 16, 16]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids

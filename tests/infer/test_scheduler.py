@@ -7,6 +7,7 @@ from astrai.infer import init_pages, num_free_pages
 from astrai.infer.scheduler import (
     Sequence,
     add_sequence,
+    advance,
     finish_sequence,
     init_scheduler,
     plan_step,
@@ -20,13 +21,10 @@ def scheduler(num_pages=64, page_size=4, max_batch=8, prefill_chunk=16, prefix_c
     return init_scheduler(pool, page_size, max_batch, prefill_chunk, prefix_cache)
 
 
-def run_plan(plan, sample=7):
+def run_plan(s, plan, sample=7):
     """What the engine does after the model ran: advance, and sample where a prompt ended."""
-    for seq in plan.decode:
-        seq.computed += 1
-        seq.tokens.append(sample)
-    for seq, n in plan.prefill:
-        seq.computed += n
+    advance(s, plan)
+    for seq in [*plan.decode, *(seq for seq, _ in plan.prefill)]:
         if seq.pending == 0:
             seq.tokens.append(sample)
 
@@ -35,7 +33,7 @@ def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
     s = scheduler(prefill_chunk=16)
     short = Sequence("short", [1, 2, 3], 3)
     add_sequence(s, short)
-    run_plan(plan_step(s))  # the short prompt is prefilled and decoding
+    run_plan(s, plan_step(s))  # the short prompt is prefilled and decoding
     long = Sequence("long", list(range(16)) * 5, 80)
     add_sequence(s, long)
     steps = 0
@@ -43,7 +41,7 @@ def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
         plan = plan_step(s)
         assert plan.decode == [short]  # one token per step for the running stream
         assert [(seq.id, n) for seq, n in plan.prefill] == [("long", min(16, long.pending))]
-        run_plan(plan)
+        run_plan(s, plan)
         steps += 1
     assert steps == 5  # 80 prompt tokens in chunks of 16
 
@@ -51,7 +49,7 @@ def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
 def test_padded_prefill_batch_stays_within_the_budget():
     s = scheduler(prefill_chunk=12, max_batch=8)
     for i in range(6):
-        add_sequence(s, Sequence(f"s{i}", [1] * (3 + i), 3 + i))
+        add_sequence(s, Sequence(f"s{i}", [i] * (3 + i), 3 + i))
     plan = plan_step(s)
     width = max(n for _, n in plan.prefill)
     assert len(plan.prefill) * width <= 12
@@ -72,10 +70,10 @@ def test_out_of_pages_preempts_the_newest_and_frees_its_pages():
     a, b = Sequence("a", [1] * 8, 8), Sequence("b", [2] * 8, 8)
     add_sequence(s, a)
     add_sequence(s, b)
-    run_plan(plan_step(s))  # both prefilled: 2 pages each, 2 free
+    run_plan(s, plan_step(s))  # both prefilled: 2 pages each, 2 free
     for _ in range(12):
         plan = plan_step(s)
-        run_plan(plan)
+        run_plan(s, plan)
         if plan.preempted:
             break
     assert plan.preempted == [b]
@@ -84,3 +82,18 @@ def test_out_of_pages_preempts_the_newest_and_frees_its_pages():
     finish_sequence(s, a)
     finish_sequence(s, b)
     assert num_free_pages(s.pool) == 6
+
+
+def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
+    s = scheduler(prefill_chunk=4)
+    a, b, c = (Sequence(x, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9) for x in "abc")
+    other = Sequence("other", [9, 9, 9, 9, 9, 9], 6)
+    for seq in (a, b, other, c):
+        add_sequence(s, seq)
+    run_plan(s, plan_step(s))
+    assert [seq.id for seq in s.running] == ["a", "other"]  # b and c wait, other does not
+    while a.computed < a.prompt_len:
+        run_plan(s, plan_step(s))
+    plan_step(s)
+    assert b in s.running and c in s.running
+    assert b.computed == c.computed == 8  # both reuse a's two full pages
