@@ -120,6 +120,7 @@ class Engine:
         self._counter = itertools.count()
         self._stats = EngineStats()
         self._snapshot: dict = {}
+        self._finals: list[tuple[Request, StreamEvent]] = []  # final events not yet sent
         self._closed = False
         self._refresh_snapshot()
         self._thread = threading.Thread(target=self._run, name="astrai-engine", daemon=True)
@@ -154,7 +155,9 @@ class Engine:
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """The Completion of a submitted request (blocks until it finishes)."""
-        events = self._results[request_id]
+        events = self._results.get(request_id)
+        if events is None:
+            raise KeyError(f"no submitted request {request_id!r} waits for its result")
         collected = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while not collected or collected[-1].finish_reason is None:
@@ -224,8 +227,11 @@ class Engine:
         done.wait()
 
     def stats(self) -> dict:
-        """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals."""
-        return dict(self._snapshot)
+        """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals,
+        as of the last snapshot (taken between steps, at least every 50 ms while busy)."""
+        stats = dict(self._snapshot)
+        del stats["at"]
+        return stats
 
     def close(self) -> None:
         """Abort what is left and stop the engine thread."""
@@ -322,6 +328,7 @@ class Engine:
                 message = self._inbox.get(block=idle)
             except queue.Empty:
                 message = None
+            news = message is not None
             while message is not None:
                 try:
                     if not self._handle(*message):
@@ -338,7 +345,12 @@ class Engine:
                 except Exception as exc:  # never let the thread die with callers waiting
                     for seq in [*self._sched.running, *self._sched.waiting]:
                         self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            self._refresh_snapshot()
+            busy = self._sched.running or self._sched.waiting
+            # while busy, at most 20 snapshots a second (counting pages is not free), and one
+            # after new messages, so a snapshot never predates a request it does not show
+            if news or self._finals or not busy or time.monotonic() - self._snapshot["at"] > 0.05:
+                self._refresh_snapshot()
+            self._emit_finals()
 
     def _handle(self, kind: str, payload) -> bool:
         match kind:
@@ -373,6 +385,7 @@ class Engine:
                     elif kind == "params":
                         payload[1].set()
                 self._refresh_snapshot()
+                self._emit_finals()
                 return False
         return True
 
@@ -517,7 +530,14 @@ class Engine:
         event = event or StreamEvent(request_id=seq.id)
         event.finish_reason, event.usage = reason, usage
         event.stop_reason_text, event.error = stop_text, error
-        self._emit(request, event)
+        self._finals.append((request, event))
+
+    def _emit_finals(self) -> None:
+        """Send the final events of finished requests, after the snapshot that counts them, so
+        a caller who has its result never reads stats from before."""
+        finals, self._finals = self._finals, []
+        for request, event in finals:
+            self._emit(request, event)
 
     def _refresh_snapshot(self) -> None:
         s, st = self._sched, self._stats
@@ -532,6 +552,7 @@ class Engine:
             pages = torch.tensor(list(s.cache.nodes), dtype=torch.long)
             evictable = int((s.pool["refs"][pages] == 1).sum())
         self._snapshot = {
+            "at": now,
             "running": len(s.running),
             "waiting": len(s.waiting) + self._queued,
             "pages_total": self.num_pages,

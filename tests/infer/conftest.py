@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from astrai.tokenizer import Tokenizer
 
@@ -12,3 +13,13 @@ def tokenizer() -> Tokenizer:
     texts = ["hello world, the quick brown fox jumps over the lazy dog. " * 4] * 8
     texts += ["STOP here, and then go on; the end is near: éàü 日本語 🙂"] * 8
     return Tokenizer.train(texts, vocab_size=300)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine the threads'
+    hand-offs make every small op slow; restore the setting for tests elsewhere."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -145,16 +145,18 @@ def test_sixty_four_concurrent_requests_from_threads():
 
 def test_cancelling_a_stream_frees_its_pages():
     params, cfg = make_model("gqa")
-    with Engine(params, cfg, None, page_size=4, max_seq_len=256) as engine:
-        stream = engine.stream(prompts_for(cfg, [10])[0], max_tokens=200, **GREEDY)
+    # requests long enough to be still running when they are cancelled
+    with Engine(params, cfg, None, page_size=4, max_seq_len=4096) as engine:
+        stream = engine.stream(prompts_for(cfg, [10])[0], max_tokens=4000, **GREEDY)
         for _ in range(3):
             next(stream)
-        assert engine.stats()["pages_used"] > 0
+        while engine.stats()["pages_used"] == 0:
+            time.sleep(0.005)
         stream.close()  # leaving the loop early cancels the request
         assert_pool_back(engine)
         assert engine.stats()["requests_aborted"] == 1
 
-        request_id = engine.submit(prompts_for(cfg, [5])[0], max_tokens=200, **GREEDY)
+        request_id = engine.submit(prompts_for(cfg, [5])[0], max_tokens=4000, **GREEDY)
         engine.cancel(request_id)
         assert engine.result(request_id).finish_reason == "abort"
         assert_pool_back(engine)
@@ -167,7 +169,7 @@ def test_cancelling_an_async_stream_frees_its_pages():
         events = []
 
         async def read():
-            async for event in engine.astream(prompts_for(cfg, [6])[0], max_tokens=200, **GREEDY):
+            async for event in engine.astream(prompts_for(cfg, [6])[0], max_tokens=4000, **GREEDY):
                 events.append(event)
 
         task = asyncio.create_task(read())
@@ -179,7 +181,7 @@ def test_cancelling_an_async_stream_frees_its_pages():
         complete = [e async for e in engine.astream([1, 2, 3], max_tokens=3, **GREEDY)]
         return events, complete
 
-    with Engine(params, cfg, None, page_size=4, max_seq_len=256) as engine:
+    with Engine(params, cfg, None, page_size=4, max_seq_len=4096) as engine:
         events, complete = asyncio.run(main(engine))
         assert_pool_back(engine)
     assert events[-1].finish_reason is None
@@ -303,10 +305,10 @@ def test_requests_running_across_update_params_are_not_cached():
 
 def test_close_aborts_what_is_left():
     params, cfg = make_model("gqa")
-    engine = Engine(params, cfg, None, page_size=4, max_seq_len=256)
+    engine = Engine(params, cfg, None, page_size=4, max_seq_len=4096)
     results = []
     waiter = threading.Thread(
-        target=lambda: results.extend(engine.generate([[1, 2, 3]] * 3, max_tokens=200, **GREEDY))
+        target=lambda: results.extend(engine.generate([[1, 2, 3]] * 3, max_tokens=4000, **GREEDY))
     )
     waiter.start()
     while engine.stats()["running"] == 0:
