@@ -11,7 +11,6 @@ from astrai.infer.events import (
 )
 from astrai.infer.paged import decode_step, prefill, prepare_params
 from astrai.infer.pages import (
-    OutOfPages,
     alloc_pages,
     free_pages,
     init_pages,
@@ -31,7 +30,6 @@ from astrai.infer.sampling import SamplingParams, sample, sample_requests, token
 __all__ = [
     "Completion",
     "Engine",
-    "OutOfPages",
     "Overloaded",
     "PrefixCache",
     "PromptTooLong",

@@ -19,10 +19,6 @@ from astrai.model import kv_shapes
 Pool = dict[str, torch.Tensor]
 
 
-class OutOfPages(RuntimeError):
-    """The pool has fewer free pages than asked for."""
-
-
 def init_pages(
     cfg: ModelConfig,
     num_pages: int,
