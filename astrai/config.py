@@ -244,7 +244,7 @@ class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decay_norms: bool = False
     decay_biases: bool = False
     decay_embeddings: bool = False
-    fused: bool = False  # adamw: torch's fused kernel instead of foreach
+    fused: bool = True  # adamw: torch's fused kernel (CPU, CUDA) instead of foreach
     max_grad_norm: float = 1.0  # 0: no clipping
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 Tree = Any
+FUSED_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has kernels
 
 
 class Optimizer(NamedTuple):
@@ -86,8 +87,9 @@ def adamw(
 ) -> Optimizer:
     """AdamW exactly as `torch.optim.AdamW` computes it (same order of operations).
 
-    fused=True uses torch's fused kernel (one pass over memory instead of about six); it agrees
-    with the foreach path to rounding, not bit for bit.
+    fused=True uses torch's fused kernel where the device has one (one pass over memory instead
+    of about eight; on CPUs the foreach ops are a loop over tensors, so this is several times
+    faster); it agrees with the foreach path to rounding, not bit for bit.
     """
 
     def init(params: Tree) -> Tree:
@@ -99,7 +101,7 @@ def adamw(
         g, m, v = (leaves_like(t, params) for t in (grads, state["m"], state["v"]))
         count = state["count"] + 1
         decays = _mask_leaves(params, mask)
-        if fused:
+        if fused and p and p[0].device.type in FUSED_DEVICES:
             _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
         else:
             _decay(p, decays, lr, weight_decay)

@@ -223,13 +223,13 @@ def train_step(state: dict, batch: dict | list[dict]) -> tuple[dict, dict]:
         batch = with_advantages(batch, train_cfg.loss)  # on whole groups, before splitting
     grads, spec, names, stats = _accumulate(state, batch, generator)
     all_reduce_sum_([*grads, stats], train_cfg.bucket_mb)
-    weight = stats[names.index("weight")].clamp(min=1e-12)
-    torch._foreach_div_(grads, weight)
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    # The grads are sums of weight * gradient; the norm of their mean is norm / total weight.
+    raw_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     # One host sync per step: the finiteness check, clipping and the metrics need the numbers.
-    numbers = torch.cat([norm.reshape(1), stats]).tolist()
-    norm_value, summed = numbers[0], dict(zip(names, numbers[1:]))
+    numbers = torch.cat([raw_norm.reshape(1), stats]).tolist()
+    summed = dict(zip(names, numbers[1:]))
     w = max(summed["weight"], 1e-12)
+    norm_value = numbers[0] / w
     metrics = {k: v / w for k, v in summed.items() if k not in ("weight", "tokens")}
     metrics |= {"tokens": summed["tokens"], "grad_norm": norm_value}
     step = state["step"]
@@ -245,9 +245,10 @@ def train_step(state: dict, batch: dict | list[dict]) -> tuple[dict, dict]:
                 "check the data, or raise max_bad_steps."
             )
         return new, {**metrics, "lr": lr, "skipped": new["skipped"], "step_skipped": True}
+    # Divide by the total weight and clip in one pass over the gradients.
     max_norm = train_cfg.optimizer.max_grad_norm
-    if max_norm and norm_value > max_norm:
-        torch._foreach_mul_(grads, max_norm / (norm_value + 1e-6))
+    clip = max_norm / (norm_value + 1e-6) if max_norm and norm_value > max_norm else 1.0
+    torch._foreach_mul_(grads, clip / w)
     lora = state["lora"]
     trainable = state["params"] if lora is None else lora["weights"]
     optimizer = make_optimizer(train_cfg.optimizer, trainable)
