@@ -20,7 +20,7 @@ import astrai
 from astrai.bench.chart import Panel, write_chart
 from astrai.bench.models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from astrai.bench.report import markdown, table
-from astrai.bench.sections import SECTIONS, Bench, Skipped
+from astrai.bench.sections import SECTIONS, Bench
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,14 +69,13 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     overrides = {"rounds": opts.rounds, "clients": opts.clients}
     work = dataclasses.replace(work, **{k: v for k, v in overrides.items() if v is not None})
     device, dtype = pick_device(opts.device), DTYPES[opts.dtype]
-    run_dir = _new_run_dir(Path(opts.out))
     folder = model_folder(Path(opts.out), size)
     params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=device)
     reference, missing = _load_reference(folder, dtype, device, opts.reference)
     if reference is None:
         log(f"no reference: {missing}; the figures are ours alone")
-    b = Bench(size, work, device, dtype, folder, params, cfg, bench_tokenizer(cfg.vocab_size),
-              reference, missing, log)  # fmt: skip
+    tokenizer = bench_tokenizer(cfg.vocab_size)
+    b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
     status = {}
     try:
         for name in sections:
@@ -90,6 +89,7 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
         "rows": b.rows,
         **b.extra,
     }
+    run_dir = _new_run_dir(Path(opts.out))
     _write(run_dir, results)
     return {**results, "run_dir": str(run_dir)}
 
@@ -100,7 +100,7 @@ def _run_section(b: Bench, name: str, log) -> dict:
     try:
         SECTIONS[name](b)
         state = "ok"
-    except (Skipped, ImportError) as exc:
+    except ImportError as exc:
         state = f"skipped: {exc}"
         log(state)
     except Exception as exc:  # one broken section must not lose the others' figures

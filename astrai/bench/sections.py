@@ -1,6 +1,7 @@
 """The measured sections. Each takes the run's Bench, measures our side and the reference in
-interleaved rounds on the same inputs, and appends rows. A section whose piece cannot be
-imported raises ImportError (or Skipped), which the runner reports as skipped."""
+interleaved rounds on the same inputs, and appends rows. The pieces of AstrAI are imported
+when a section first uses them, so one that cannot be imported raises ImportError, which the
+runner reports as skipped."""
 
 from __future__ import annotations
 
@@ -27,10 +28,6 @@ THROUGHPUT_TARGETS = {16: 3.0, 64: 5.0}
 TRAIN_HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "max_grad_norm": 1.0}
 
 
-class Skipped(Exception):
-    """A section cannot run here; the message says why."""
-
-
 @dataclass
 class Bench:
     """Everything one run shares: the model on both sides, the workload, and what was found."""
@@ -44,7 +41,6 @@ class Bench:
     cfg: ModelConfig
     tokenizer: object
     reference: object | None  # LlamaForCausalLM, or None when transformers is missing
-    reference_missing: str
     log: Callable[[str], None]
     rows: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
@@ -57,10 +53,6 @@ class Bench:
         """Something the reader of the results should know; printed and kept in the JSON."""
         self.extra.setdefault("notes", []).append(text)
         self.log(text)
-
-    def rate(self, fn: Callable, units: float) -> float:
-        """units / seconds of one call of fn."""
-        return units / timed(fn, self.device)[0]
 
     def measure(
         self, calls: dict[str, Callable], inputs: list, units: float, outputs=None, warm_up=True
