@@ -343,6 +343,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     compile: bool = False
     activation_checkpointing: bool = False
+    grad_engine: Literal["auto", "func", "autograd"] = "auto"  # see docs/training.md
     max_bad_steps: int = 10  # consecutive non-finite steps before stopping
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end (when data.valid is set)
@@ -366,6 +367,11 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require_non_negative(self, "eval_every", "checkpoint_every")
         if (self.model is None) == (not self.init_from):
             raise ValueError("give exactly one of a [model] table or init_from")
+        if self.grad_engine == "func" and self.activation_checkpointing:
+            raise ValueError(
+                "grad_engine 'func' cannot checkpoint activations (torch.func has no saved-tensor "
+                "hooks); use grad_engine 'auto' or 'autograd'"
+            )
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"

@@ -127,6 +127,7 @@ def test_program_trains_plots_and_reports_bad_configs(tmp_path):
         ({"init_from": "somewhere"}, ["[model]", "init_from"]),
         ({"data": {"source": "shards"}}, ["data.train"]),
         ({"bogus": 1}, ["bogus"]),
+        ({"grad_engine": "func", "activation_checkpointing": True}, ["grad_engine"]),
     ],
 )
 def test_bad_config_errors_name_the_key_and_the_file(tmp_path, overrides, words):
