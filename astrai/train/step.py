@@ -139,14 +139,18 @@ def grad_engine(train_cfg: TrainConfig) -> str:
 
 def _compiled(fn):
     """torch.compile(fn), falling back to eager (with one clear message) if compiling fails."""
-    compiled = torch.compile(fn, dynamic=False)
+    # fullgraph: a graph break inside a torch.func transform would silently run it all eagerly;
+    # failing loudly leads to the message below instead.
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
     use_eager = False
 
     def run(*args):
         nonlocal use_eager
         if not use_eager:
             try:
-                return compiled(*args)
+                # RoPE reads the largest position as a Python int; let it stay in the graph.
+                with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                    return compiled(*args)
             except Exception as exc:  # a missing compiler or backend shows up on the first call
                 use_eager = True
                 print(
