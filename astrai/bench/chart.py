@@ -127,12 +127,12 @@ def render_png(title: str, panels: list[Panel], width: int = 960) -> bytes:
             canvas.text(8, y + 3 * SCALE, label)
             bar_end = plot_x0 + int(max(value, 0.0) * scale)
             canvas.rect(plot_x0, y + 2, bar_end, y + ROW_H - 4, BLUE)
-            if target is not None:
-                tx = plot_x0 + int(target * scale)
-                canvas.rect(tx - 1, y, tx + 2, y + ROW_H - 2, ORANGE)
             text = panel.fmt.format(value)
             canvas.rect(bar_end + 4, y, bar_end + 8 + CHAR_W * len(text), y + ROW_H - 2, WHITE)
             canvas.text(bar_end + 6, y + 3 * SCALE, text)
+            if target is not None:  # last, so no value text hides it
+                tx = plot_x0 + int(target * scale)
+                canvas.rect(tx - 1, y, tx + 2, y + ROW_H - 2, ORANGE)
             y += ROW_H
         canvas.rect(plot_x0, y + 2, plot_x1, y + 3, GREY)
         y += ROW_H

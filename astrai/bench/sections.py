@@ -244,6 +244,7 @@ def train(b: Bench) -> None:
 
     steppers = {"eager": ours.train_step_fn(fresh(), b.cfg, b.work, False, TRAIN_HYPER)}
     if b.work.compile_train:
+        _quiet_compiler()
         steppers["compiled"] = ours.train_step_fn(fresh(), b.cfg, b.work, True, TRAIN_HYPER)
     else:
         b.note("train: compiled train_step skipped (compiling takes minutes; runs without --quick)")
@@ -254,6 +255,8 @@ def train(b: Bench) -> None:
         seconds = timed(lambda step=step: step(batches[0]), b.device)[0]
         b.extra[f"train_first_step_s_{name}"] = seconds
         b.log(f"train: first {name} step took {seconds:.1f} s")
+        if name == "compiled":
+            _note_graph_breaks(b)
 
     def run_steps(step):
         return lambda x: [step(x) for _ in range(steps)]
@@ -266,6 +269,23 @@ def train(b: Bench) -> None:
     ]
     pairs = [p for p in pairs if p[0] in rates]
     _reference_rows(b, "train", rates, pairs, "tok/s", {"eager": 1.0, "compiled": 1.3})
+
+
+def _quiet_compiler() -> None:
+    """Graph breaks are counted and noted instead of printed as long tracebacks."""
+    import logging
+
+    torch._dynamo.utils.counters.clear()
+    torch._logging.set_logs(dynamo=logging.ERROR)
+
+
+def _note_graph_breaks(b: Bench) -> None:
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    if breaks:
+        reasons = "; ".join(sorted(breaks)[:3])
+        b.note(
+            f"train: the compiled train_step has {sum(breaks.values())} graph break(s): {reasons}"
+        )
 
 
 # --- serving -----------------------------------------------------------------------------------
