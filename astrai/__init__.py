@@ -1,6 +1,25 @@
-"""AstrAI: train and serve your own language model with plain pytrees and pure functions."""
+"""AstrAI: train and serve your own language model with plain pytrees and pure functions.
 
-from astrai.config import ConfigError, ModelConfig
+    import astrai as ai
+    params = ai.init_params(cfg, seed=0)
+    logits = ai.forward(params, cfg, tokens)
+
+The names below are the stable public surface; everything else is reachable through the
+subpackages (astrai.model, astrai.data, astrai.train, astrai.infer, astrai.serve).
+"""
+
+from astrai.config import ConfigError, ModelConfig, ServeConfig, TrainConfig
+from astrai.infer import (
+    Engine,
+    SamplingParams,
+    alloc_pages,
+    decode_step,
+    free_pages,
+    init_pages,
+    prefill,
+    sample,
+    share_pages,
+)
 from astrai.model import (
     CheckpointError,
     encode,
@@ -13,18 +32,36 @@ from astrai.model import (
     merge_lora,
     save_pretrained,
 )
+from astrai.tokenizer import Tokenizer
+from astrai.train import init_train_state, loss_fn, train, train_step
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "Engine",
     "ModelConfig",
+    "SamplingParams",
+    "ServeConfig",
+    "Tokenizer",
+    "TrainConfig",
+    "alloc_pages",
+    "decode_step",
     "encode",
     "forward",
     "forward_cached",
+    "free_pages",
     "init_cache",
     "init_lora",
+    "init_pages",
     "init_params",
+    "init_train_state",
     "load_pretrained",
+    "loss_fn",
     "merge_lora",
+    "prefill",
+    "sample",
     "save_pretrained",
+    "share_pages",
+    "train",
+    "train_step",
 ]
