@@ -122,7 +122,7 @@ def _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
         group = [i for i, d in enumerate(decays) if d == keep]
         if not group:
             continue
-        steps = [torch.tensor(float(count)) for _ in group]
+        steps = [torch.tensor(float(count), device=p[i].device) for i in group]
         torch._fused_adamw_(
             [p[i] for i in group],
             [g[i] for i in group],
