@@ -83,6 +83,8 @@ MEANINGS: dict[type, dict[str, str]] = {
         "compile": "Run the gradient computation through `torch.compile`.",
         "activation_checkpointing": "Recompute each layer's activations in the backward pass: "
         "less memory, more compute.",
+        "grad_engine": "How gradients are taken: torch.func when compiling, torch.autograd in "
+        "eager mode (faster there), or the one named.",
         "max_bad_steps": "Consecutive steps with a non-finite loss or gradient (each skipped) "
         "before training stops.",
         "log_every": "Steps between progress lines and `metrics.jsonl` records.",
