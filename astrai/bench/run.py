@@ -20,7 +20,7 @@ import astrai
 from astrai.bench.chart import Panel, write_chart
 from astrai.bench.models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from astrai.bench.report import markdown, table
-from astrai.bench.sections import SECTIONS, Bench
+from astrai.bench.sections import SECTIONS, Bench, limit_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,6 +83,9 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     finally:
         if b.engine is not None:
             b.engine.close()
+    limit_rows(b)
+    order = list(SECTIONS)
+    b.rows.sort(key=lambda row: order.index(row["section"]) if row["section"] in order else 0)
     results = {
         "meta": _meta(opts, size, work, device, dtype, cfg, folder, missing),
         "sections": status,
