@@ -327,6 +327,44 @@ class TrainDataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require_positive(self, "seq_len")
 
 
+class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[grpo]: online GRPO on a prompt dataset: rounds of rollouts through the Engine with the
+    current params, scored by reward functions (the loss options stay in [loss])."""
+
+    group_size: int = 8  # completions per prompt; advantages are normalised within a group
+    prompts_per_round: int = 8  # the rollout batch: prompts per round, over all ranks
+    epochs: int = 1  # passes over each round's completions
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    rewards: tuple[str, ...] = ("astrai.train.rewards.exact_match",)  # dotted paths
+    reward_weights: tuple[float, ...] = ()  # one per reward; empty = 1.0 each
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "prompts_per_round", "epochs", "max_new_tokens", "temperature")
+        _require_non_negative(self, "top_k")
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be at least 2 (advantages compare completions of one prompt), "
+                f"got {self.group_size}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.rewards:
+            raise ValueError("rewards must name at least one reward function")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries for "
+                f"{len(self.rewards)} rewards"
+            )
+
+    @property
+    def rows(self) -> int:
+        """Completions per round, over all ranks."""
+        return self.prompts_per_round * self.group_size
+
+
 class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A training run: the model, its data, the optimizer and how the loop runs."""
 
@@ -358,6 +396,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     loss: LossConfig = LossConfig()
     lora: LoraConfig = LoraConfig()
     data: TrainDataConfig = TrainDataConfig()
+    grpo: GrpoConfig = GrpoConfig()
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -375,6 +414,31 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
+            )
+        if self.rollouts:
+            self._check_rounds()
+
+    @property
+    def rollouts(self) -> bool:
+        """grpo on a prompt dataset: the loop samples its own completions, round by round."""
+        return self.kind == "grpo" and self.data.source == "shards" and bool(self.data.train)
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps between two rollouts: `epochs` passes of batch_size rows each."""
+        return self.grpo.epochs * self.grpo.rows // self.batch_size
+
+    def _check_rounds(self) -> None:
+        if self.grpo.rows % self.batch_size:
+            raise ValueError(
+                f"grpo.prompts_per_round x grpo.group_size ({self.grpo.rows} completions per "
+                f"round) must be a multiple of batch_size ({self.batch_size})"
+            )
+        # a checkpoint inside a round could not hold the rest of the round's rollouts
+        if self.checkpoint_every % self.steps_per_round:
+            raise ValueError(
+                f"checkpoint_every ({self.checkpoint_every}) must be a multiple of the "
+                f"{self.steps_per_round} optimizer steps of a grpo round"
             )
 
 

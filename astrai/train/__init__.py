@@ -1,5 +1,5 @@
 """Training: optimizers and schedules as pure functions, losses, train_step, the loop,
-checkpoints and torch.distributed data parallelism."""
+checkpoints, torch.distributed data parallelism and GRPO with online rollouts."""
 
 from astrai.train.batches import BatchSource, open_batches, synthetic_batch
 from astrai.train.checkpoint import (
@@ -9,6 +9,19 @@ from astrai.train.checkpoint import (
     save_train_state,
 )
 from astrai.train.distributed import DistInfo, all_reduce_sum_, init_distributed
+from astrai.train.grpo import (
+    RewardError,
+    Samples,
+    build_batch,
+    open_rollout,
+    prompt_batches,
+    request_seed,
+    sample_group,
+    score,
+    step_batches,
+    total_reward,
+    train_round,
+)
 from astrai.train.loop import Run, evaluate, export_model, prepare_batch, run_step, train
 from astrai.train.losses import (
     LOSSES,
@@ -24,6 +37,7 @@ from astrai.train.losses import (
     with_reference_logps,
 )
 from astrai.train.optim import Optimizer, adamw, decay_mask, lion, make_optimizer, sgd
+from astrai.train.rewards import equation_format, exact_match, load_reward
 from astrai.train.schedules import SCHEDULES, lr_at
 from astrai.train.step import TrainingDiverged, eval_step, init_train_state, train_step
 
@@ -33,14 +47,19 @@ __all__ = [
     "BatchSource",
     "DistInfo",
     "Optimizer",
+    "RewardError",
     "Run",
+    "Samples",
     "TrainingDiverged",
     "adamw",
     "all_reduce_sum_",
+    "build_batch",
     "decay_mask",
     "dpo_loss",
+    "equation_format",
     "eval_step",
     "evaluate",
+    "exact_match",
     "export_model",
     "group_advantages",
     "grpo_loss",
@@ -49,21 +68,30 @@ __all__ = [
     "latest_checkpoint",
     "lion",
     "list_checkpoints",
+    "load_reward",
     "load_train_state",
     "loss_fn",
     "lr_at",
     "make_optimizer",
     "open_batches",
+    "open_rollout",
     "prepare_batch",
+    "prompt_batches",
+    "request_seed",
     "run_step",
+    "sample_group",
     "save_train_state",
+    "score",
     "seq_loss",
     "sequence_logps",
     "sft_loss",
     "sgd",
+    "step_batches",
     "synthetic_batch",
     "token_logps",
+    "total_reward",
     "train",
+    "train_round",
     "train_step",
     "with_advantages",
     "with_reference_logps",

@@ -2,7 +2,8 @@
 
 It builds (or resumes) the train state, then repeats: next batch by cursor, `run_step` (the
 reference log-probs a dpo/grpo batch needs, `train_step`, metrics, evaluation and checkpoints
-on their cadence). Producers of online GRPO rollouts call `run_step` once per round.
+on their cadence). For grpo on a prompt dataset a batch of prompts is a round: rollouts
+through the Engine, rewards, then several `run_step`s (astrai/train/grpo.py).
 """
 
 from __future__ import annotations
@@ -168,6 +169,10 @@ def train(
     barrier()
     ckpt = resume_point(run_dir, resume)
     probe_cfg = train_cfg.model or model_config_from_json(Path(train_cfg.init_from) / "config.json")
+    from astrai.train import grpo  # it builds on this module, so it is imported here
+
+    if batches is None and train_cfg.rollouts:  # grpo on prompts: the loop samples completions
+        batches = grpo.prompt_batches(train_cfg, dist.rank, dist.world_size)
     source = batches or open_batches(train_cfg, probe_cfg, dist.rank, dist.world_size, "train")
     if source is None:
         raise ValueError("no training data: set [data] train (or source = 'synthetic')")
@@ -182,11 +187,20 @@ def train(
         config_json = json.dumps(msgspec.to_builtins(train_cfg), indent=2)
         (run_dir / "train_config.json").write_text(config_json + "\n")
     last_saved = state["step"] if ckpt is not None else None
-    while state["step"] < train_cfg.max_steps:
-        cursor, batch = source.next(state["cursor"])
-        state, _ = run_step({**state, "cursor": cursor}, batch, run)
-        if train_cfg.checkpoint_every and state["step"] % train_cfg.checkpoint_every == 0:
-            last_saved = state["step"]
+    rollout = None
+    try:
+        while state["step"] < train_cfg.max_steps:
+            cursor, batch = source.next(state["cursor"])
+            if "prompt_ids" in batch:  # prompts: a grpo round of rollouts and several steps
+                rollout = rollout or grpo.open_rollout(state, train_cfg, dist.world_size)
+                state = grpo.train_round(state, cursor, batch, run, rollout)
+            else:
+                state, _ = run_step({**state, "cursor": cursor}, batch, run)
+            if train_cfg.checkpoint_every and state["step"] % train_cfg.checkpoint_every == 0:
+                last_saved = state["step"]
+    finally:
+        if rollout is not None:
+            rollout.engine.close()
     if last_saved != state["step"]:
         save_checkpoint(state, run)
     if dist.is_main:
