@@ -1,7 +1,8 @@
 """Generate the demo's synthetic corpus: arithmetic dialogues and a little small talk.
 
 Deterministic for a seed. Writes, into the output folder:
-  pretrain.jsonl  {"text": ...}                  plain text for pretraining
+  pretrain.jsonl  {"text": ...}                  plain text for pretraining: dialogues, and drills
+                                                 of bare equations that teach the arithmetic
   sft.jsonl       {"messages": [...]}            chat records for supervised fine-tuning
   grpo.jsonl      {"prompt": ..., "answer": ...} prompts with a reference answer for GRPO
   eval.jsonl      {"prompt": ..., "answer": ...} held-out problems that never appear above
@@ -92,6 +93,13 @@ def generate(out: Path, seed: int = 0, records: int = 20000, eval_count: int = 2
         write("sft", {"messages": messages})
         if record_answer is not None and i % 4 == 0:
             write("grpo", {"prompt": user, "answer": record_answer})
+    for _ in range(records // 2):
+        drill = []
+        while len(drill) < 10:
+            p = problem(rng, max_value)
+            if p not in excluded:
+                drill.append(answer(*p))
+        write("pretrain", {"text": "\n".join(drill)})
     for p in held_out:
         write("eval", {"prompt": question(rng, *p), "answer": answer(*p).split(" = ")[1],
                        "expected": answer(*p)})  # fmt: skip

@@ -1,0 +1,84 @@
+"""The demo pipeline end to end at a tiny size: data -> tokenizer -> pretrain -> SFT -> serve."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo(run_dir: Path, *extra: str) -> str:
+    result = subprocess.run(
+        [sys.executable, ROOT / "programs" / "demo.py", "--quick", "--no-serve",
+         "--run-dir", str(run_dir), *extra],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_demo_data_is_deterministic_and_holds_out_the_evaluation(tmp_path):
+    sys.path.insert(0, str(ROOT / "programs"))
+    import demo_data
+
+    demo_data.generate(tmp_path / "a", seed=3, records=300, eval_count=50)
+    demo_data.generate(tmp_path / "b", seed=3, records=300, eval_count=50)
+    for name in ("pretrain", "sft", "grpo", "eval"):
+        assert (tmp_path / "a" / f"{name}.jsonl").read_bytes() == (
+            tmp_path / "b" / f"{name}.jsonl"
+        ).read_bytes()
+    lines = (tmp_path / "a" / "eval.jsonl").read_text().splitlines()
+    held_out = {json.loads(line)["expected"] for line in lines}
+    training = "".join((tmp_path / "a" / f"{n}.jsonl").read_text() for n in ("pretrain", "sft"))
+    assert len(held_out) == 50
+    assert not held_out & set(re.findall(r"\d+ [+-] \d+ = \d+", training))
+
+
+@pytest.mark.slow
+def test_demo_trains_evaluates_and_serves_an_openai_request(tmp_path):
+    openai = pytest.importorskip("openai")
+    out = run_demo(tmp_path)
+    for stage in ("data", "tokenizer", "prepare", "pretrain", "sft", "evaluate"):
+        assert f"[demo] {stage}" in out
+    model = tmp_path / "model"
+    assert (model / "model.safetensors").exists() and (model / "tokenizer.json").exists()
+    assert "reusing" in run_demo(tmp_path)  # a second run does not train again
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, ROOT / "programs" / "serve.py", "--model", str(model),
+         "--port", str(port), "--log-level", "warning"],
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        (served,) = client.models.list().data
+        reply = client.chat.completions.create(
+            model=served.id,
+            messages=[{"role": "user", "content": "What is 12 + 30?"}],
+            max_tokens=8,
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage.completion_tokens > 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
