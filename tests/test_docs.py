@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-DOCS = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
