@@ -45,8 +45,9 @@ def forward(model, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
 
 
 def train_step_fn(model, lr: float, weight_decay: float, betas, max_grad_norm: float) -> Callable:
-    """batch -> loss: forward with labels, backward, clip, torch.optim.AdamW (foreach), with
-    weight decay on the same tensors as ours (matrices, not norms or the embedding)."""
+    """batch -> loss: forward with labels, backward, clip, torch.optim.AdamW with torch's
+    default implementation, weight decay on the same tensors as ours (matrices, not norms or
+    the embedding)."""
     model.train()
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.dim() >= 2 and "embed_tokens" not in n]
