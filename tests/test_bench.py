@@ -142,3 +142,17 @@ def test_roofline_is_memory_bound_at_batch_1_and_compute_bound_when_large():
     assert one == pytest.approx(20e9 / limits["bytes_per_token"])
     assert roofline_tokens_per_s(limits, 4) == pytest.approx(4 * one)
     assert roofline_tokens_per_s(limits, 10**6) == pytest.approx(100e9 / limits["flops_per_token"])
+
+
+def test_without_transformers_our_own_folder_and_figures(tmp_path, monkeypatch, capsys):
+    from astrai.bench import models, run
+
+    monkeypatch.setattr(models, "has_transformers", lambda: False)
+    monkeypatch.setattr(run, "has_transformers", lambda: False)
+    argv = ["--quick", "--rounds", "1", "--only", "prefill", "--out", str(tmp_path)]
+    assert load_program().main(argv) == 0, capsys.readouterr().out
+    results = read_run(tmp_path)
+    assert results["meta"]["reference_missing"] == "transformers is not installed"
+    config = json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())
+    assert "architectures" not in config  # written by our save_pretrained
+    assert all("ratio" not in r for r in results["rows"])
