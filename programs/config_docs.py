@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from astrai.config import (
+    GrpoConfig,
     LoraConfig,
     LossConfig,
     ModelConfig,
@@ -100,6 +101,7 @@ MEANINGS: dict[type, dict[str, str]] = {
         "loss": "The `[loss]` table.",
         "lora": "The `[lora]` table.",
         "data": "The `[data]` table.",
+        "grpo": 'The `[grpo]` table: online rollouts for `kind = "grpo"` on a prompt dataset.',
     },
     ModelConfig: {
         "vocab_size": "Rows of the embedding and the output head; at least the tokenizer's "
@@ -222,6 +224,21 @@ MEANINGS: dict[type, dict[str, str]] = {
         "seq_len": "synthetic: tokens per row.",
         "shuffle": "Shuffle the training data each epoch.",
     },
+    GrpoConfig: {
+        "group_size": "Completions sampled per prompt; advantages compare the completions of "
+        "one prompt, so at least 2.",
+        "prompts_per_round": "Prompts per round (the rollout batch), over all ranks. A round "
+        "is `epochs x prompts_per_round x group_size / batch_size` optimizer steps.",
+        "epochs": "Passes over each round's completions before the next rollout.",
+        "max_new_tokens": "Most tokens per completion.",
+        "temperature": "Sampling temperature of the rollouts (> 0). The loss's log-probs are "
+        "those of the untempered model, as are the Engine's.",
+        "top_p": "Nucleus sampling of the rollouts; 1 = off.",
+        "top_k": "Sample the rollouts from the k most likely tokens; 0 = off.",
+        "rewards": "Reward functions by dotted path, `(prompts, completions, **record_fields) "
+        "-> list[float]`.",
+        "reward_weights": "Weight of each reward in the total; empty = 1 each.",
+    },
     DataConfig: {
         "tokenizer": "Folder holding the tokenizer (`tokenizer.json`).",
         "inputs": "JSONL files or globs (`**` allowed), read in the order given.",
@@ -306,7 +323,7 @@ def type_text(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(f"`{json.dumps(a)}`" for a in typing.get_args(tp))
     if typing.get_origin(tp) in (list, tuple):
-        return "list of " + {str: "strings", int: "ints"}[typing.get_args(tp)[0]]
+        return "list of " + {str: "strings", int: "ints", float: "floats"}[typing.get_args(tp)[0]]
     if struct_of(tp):
         return "table"
     return {int: "int", float: "float", bool: "bool", str: "string"}[tp]
