@@ -1,4 +1,5 @@
-"""Draw a training run's curves (loss and eval loss, LR, gradient norm, tokens/s) to a PNG.
+"""Draw a training run's curves (loss and eval loss, LR, gradient norm, tokens/s, and GRPO's
+reward per round) to a PNG.
 
     python programs/plot.py RUN_DIR [--out PATH]        # default: RUN_DIR/curves.png
 
@@ -22,15 +23,19 @@ PANELS = [
     ("learning rate", ("lr",)),
     ("grad norm", ("grad_norm",)),
     ("tokens/s", ("tokens_per_s",)),
+    ("reward", ("reward_mean", "reward_mean/*")),  # "*": every logged key with that prefix
 ]
 Series = tuple[str, list[float], list[float]]
+COLORS = (BLUE, ORANGE, (85, 168, 104))  # a third for the reward panel's several rewards
 
 
 def curves(records: list[dict]) -> list[tuple[str, list[Series]]]:
     """Per panel: its title and (name, steps, values) for every metric that was logged."""
     panels = []
-    for title, names in PANELS:
+    logged = list(dict.fromkeys(k for r in records for k in r))
+    for title, patterns in PANELS:
         series = []
+        names = [n for p in patterns for n in (logged if p.endswith("*") else [p]) if fits(n, p)]
         for name in names:
             points = [
                 (r["step"], float(r[name]))
@@ -44,8 +49,13 @@ def curves(records: list[dict]) -> list[tuple[str, list[Series]]]:
     return panels
 
 
+def fits(name: str, pattern: str) -> bool:
+    return name.startswith(pattern[:-1]) if pattern.endswith("*") else name == pattern
+
+
 def plot_matplotlib(plt, path: Path, title: str, panels) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
+    rows = max(2, (len(panels) + 1) // 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows), squeeze=False)
     fig.suptitle(title)
     for ax, (name, series) in zip(axes.flat, panels):
         for label, xs, ys in series:
@@ -89,7 +99,7 @@ def _panel(canvas: Canvas, left: int, top: int, w: int, h: int, name: str, serie
     canvas.text(x1 - CHAR_W * len(f"{hi_x:g}"), y1 + 6, f"{hi_x:g}")
     canvas.text(x0 + (x1 - x0) // 2 - 2 * CHAR_W, y1 + 6, "step")
     for i, (label, sx, sy) in enumerate(series):
-        color = (BLUE, ORANGE)[i % 2]
+        color = COLORS[i % len(COLORS)]
         canvas.text(x1 - CHAR_W * (len(label) + 1), top + 6 + i * ROW_H, label, color)
         points = [
             (

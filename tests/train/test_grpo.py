@@ -4,12 +4,13 @@ resumed run ends where a straight one does."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import tokenizers
 import torch
-from tiny_run import TINY_MODEL, same_tensors, tiny_config
+from tiny_run import ROOT, TINY_MODEL, same_tensors, tiny_config
 from tokenizers import models, pre_tokenizers
 
 from astrai.config import ConfigError, LossConfig, ModelConfig, train_config
@@ -181,6 +182,19 @@ def test_rewards_rise_on_a_learnable_reward(prompts_dir, tmp_path):
     assert early < 0.3 and late > 0.7, (early, late)
     assert state["step"] == 24 and state["cursor"]["position"] + state["cursor"]["epoch"] > 0
     assert first["step"] == 1
+    plot = load_program("plot")  # `just plot` draws the reward curve, one line per function
+    panels = dict(plot.curves(read_metrics(tmp_path / "metrics.jsonl")))
+    assert [name for name, _, _ in panels["reward"]] == [
+        "reward_mean",
+        "reward_mean/first_is_seven",
+    ]
+
+
+def load_program(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "programs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_a_raising_reward_is_named_and_nothing_trained_is_lost(prompts_dir, tmp_path):
