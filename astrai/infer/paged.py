@@ -11,14 +11,10 @@ operations, and the same pool comes back. Use the returned pool, never the one p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.infer.pages import Pool, page_size_of
-from astrai.model import embed, lm_head, rope_tables
-from astrai.model.attention import attention_layer, gqa_qkv
-from astrai.model.layers import linear, rms_norm, swiglu
-from astrai.model.moe import moe
+from astrai.model import decode_layers, embed, lm_head
 
 Params = dict[str, torch.Tensor]
 
@@ -79,48 +75,8 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
         v_all = v_layer[table].flatten(1, 2)
         return k_all.to(k_new.dtype), v_all.to(v_new.dtype)
 
-    x = embed(params, cfg, tokens)
-    rope = rope_tables(cfg, positions)
-    for i in range(cfg.num_hidden_layers):
-        x = _layer(params, cfg, i, x, rope, store, mask, lora)
-    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
-
-
-# The layer loop mirrors `decode_layers` in astrai/model/forward.py, built from the same layer
-# functions; only grouped-query attention differs (see `_grouped_attention`). The equivalence
-# tests compare the two on every attention and FFN kind.
-
-
-def _layer(params, cfg, i, x, rope, store, mask, lora):
-    p = f"model.layers.{i}"
-    h = rms_norm(x, params[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
-    if cfg.attn_type == "gqa":
-        x = x + _grouped_attention(params, cfg, i, h, rope, store, mask, lora)
-    else:
-        x = x + attention_layer(params, cfg, i, h, rope, store, mask, True, lora)
-    h = rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    if cfg.is_moe_layer(i):
-        return x + moe(params, cfg, f"{p}.mlp", h, lora)[0]
-    return x + swiglu(params, f"{p}.mlp", h, lora)
-
-
-def _grouped_attention(params, cfg, i, x, rope, store, mask, lora):
-    """GQA with the query heads of each K/V head stacked as extra query rows, so the stored
-    K/V are read once per K/V head instead of being repeated for every query head (copying
-    them dominated batched decode)."""
-    prefix = f"model.layers.{i}.self_attn"
-    q, k_new, v_new, gate = gqa_qkv(params, cfg, prefix, x, *rope, lora)
-    k, v = store(i, k_new, v_new)  # [B, S, Hkv, D]
-    B, T, H, D = q.shape
-    Hkv = k.shape[2]
-    G = H // Hkv
-    q = q.transpose(1, 2).reshape(B, Hkv, G * T, D)  # query head h uses K/V head h // G
-    rows_mask = mask if T == 1 else mask.repeat(1, 1, G, 1)
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=rows_mask)
-    o = o.view(B, H, T, D).transpose(1, 2)
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return linear(params, f"{prefix}.o_proj", o.reshape(B, T, H * D), lora)
+    hidden, _ = decode_layers(params, cfg, embed(params, cfg, tokens), positions, mask, store, lora)
+    return hidden
 
 
 def prefill(

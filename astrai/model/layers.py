@@ -37,12 +37,23 @@ def attend(
     causal: bool,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask bool, True = see."""
-    if k.shape[1] != q.shape[1]:
-        # Grouped-query attention: each K/V head serves H / Hkv query heads.
-        repeats = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(repeats, dim=1)
-        v = v.repeat_interleave(repeats, dim=1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale
-    )
+    """Scaled dot-product attention. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask bool [B, 1, T, S]
+    (True = may attend) or None for plain causal / full attention over T == S."""
+    B, H, T, D = q.shape
+    groups = H // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale
+        )
+    if mask is None:
+        # Square causal attention (training): repeating K/V keeps SDPA's fused causal kernel.
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    # Grouped-query attention with an explicit mask (cached and paged decoding): the query heads
+    # that share a K/V head become extra query rows, so stored K/V are read once per K/V head
+    # instead of being copied for every query head (the copy dominated batched decoding).
+    q = q.reshape(B, k.shape[1], groups * T, D)
+    rows_mask = mask if T == 1 else mask.repeat(1, 1, groups, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=rows_mask, scale=scale)
+    return o.view(B, H, T, -1)
