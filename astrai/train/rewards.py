@@ -15,7 +15,7 @@ from collections.abc import Callable
 Reward = Callable[..., list[float]]
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-EQUATION = re.compile(r"\s*-?\d+\s*[-+*/x×]\s*-?\d+\s*=\s*-?\d+\s*\.?\s*")
+EQUATION = re.compile(r"-?\d+\s*[-+*/x×]\s*-?\d+\s*=\s*-?\d+\s*\.?\s*$")
 
 
 def final_answer(completion: str) -> str | None:
@@ -45,9 +45,9 @@ def exact_match(prompts: list[str], completions: list[str], answer=None, **_) ->
 
 
 def equation_format(prompts: list[str], completions: list[str], **_) -> list[float]:
-    """1.0 where the completion is one equation of the shape "a op b = c" (the demo's answers),
-    whatever its numbers."""
-    return [float(EQUATION.fullmatch(c) is not None) for c in completions]
+    """1.0 where the completion ends in one equation of the shape "a op b = c" (the demo's
+    answers end so, after their worked steps), whatever its numbers."""
+    return [float(EQUATION.search(c) is not None) for c in completions]
 
 
 def load_reward(path: str) -> Reward:
