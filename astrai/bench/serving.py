@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,29 +18,13 @@ MODEL_NAME = "bench"
 def serving(engine) -> Iterator[str]:
     """Run the app around `engine` on a free 127.0.0.1 port in a background thread; yields
     the base URL and stops the server on exit (the engine stays open)."""
-    import uvicorn
-
     from astrai.config import ServeConfig
     from astrai.serve.app import make_app
+    from astrai.serve.background import serve_in_background
 
     app = make_app(engine, MODEL_NAME, ServeConfig(log_level="warning", max_waiting=None))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_background(app) as url:
+        yield url
 
 
 async def _one_stream(client, url: str, prompt: list[int], new_tokens: int) -> dict:

@@ -9,17 +9,15 @@ on a free 127.0.0.1 port, in a background thread) with `serving`.
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 
 import torch
-import uvicorn
 
 import astrai
 from astrai.config import ModelConfig, ServeConfig
 from astrai.infer import Engine
 from astrai.serve.app import make_app
+from astrai.serve.background import serve_in_background
 from astrai.serve.tools import forced_prefix, tool_spec
 from astrai.tokenizer import Tokenizer
 
@@ -119,24 +117,8 @@ def no_end_bias(tok) -> dict[str, float]:
 @contextlib.contextmanager
 def serving(engine, serve_cfg: ServeConfig | None = None, model_name: str = MODEL):
     """Run the app on a free loopback port in a background thread; yields the base URL."""
-    app = make_app(engine, model_name, serve_cfg or ServeConfig())
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_background(make_app(engine, model_name, serve_cfg or ServeConfig())) as url:
+        yield url
 
 
 @contextlib.contextmanager
