@@ -46,7 +46,7 @@ def main() -> int:
         return 2
     finally:
         shutdown()
-    print(f"done: step {state['step']}, model in {Path(cfg.out_dir) / 'model'}", file=sys.stderr)
+    print(f"done: step {state.step}, model in {Path(cfg.out_dir) / 'model'}", file=sys.stderr)
     return 0
 
 

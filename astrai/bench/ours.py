@@ -145,5 +145,5 @@ def _train_api():
     try:
         from astrai.train import init_train_state, train_step
     except ImportError:
-        from astrai.train.step import init_train_state, train_step
+        from astrai.train import init_train_state, train_step
     return init_train_state, train_step

@@ -6,7 +6,15 @@ cursor = Cursor(batch_size=8, seed=0)
 cursor, batch = next_batch(data, cursor)              # pure: same cursor, same batch
 """
 
-from astrai.data.batches import Cursor, collate, cursor_dict, epoch_order, next_batch, next_indices
+from astrai.data.batches import (
+    Cursor,
+    as_cursor,
+    collate,
+    cursor_dict,
+    epoch_order,
+    next_batch,
+    next_indices,
+)
 from astrai.data.config import DataConfig, Fields, data_config, load_data_config
 from astrai.data.datasets import IGNORE, Dataset, get_example, open_dataset
 from astrai.data.packing import fit_length, pack_bfd, pack_greedy, pack_none, segment_positions
@@ -23,6 +31,7 @@ __all__ = [
     "RecordError",
     "ShardError",
     "Summary",
+    "as_cursor",
     "collate",
     "cursor_dict",
     "data_config",

@@ -22,7 +22,7 @@ from astrai.train.grpo import (
     total_reward,
     train_round,
 )
-from astrai.train.loop import Run, evaluate, export_model, prepare_batch, run_step, train
+from astrai.train.loop import export_model, train
 from astrai.train.losses import (
     LOSSES,
     dpo_loss,
@@ -38,8 +38,10 @@ from astrai.train.losses import (
 )
 from astrai.train.optim import Optimizer, adamw, decay_mask, lion, make_optimizer, sgd
 from astrai.train.rewards import equation_format, exact_match, load_reward
+from astrai.train.run import Run, evaluate, prepare_batch, run_step, start_run
 from astrai.train.schedules import SCHEDULES, lr_at
-from astrai.train.step import TrainingDiverged, eval_step, init_train_state, train_step
+from astrai.train.state import TrainState, init_train_state
+from astrai.train.step import TrainingDiverged, eval_step, train_step
 
 __all__ = [
     "LOSSES",
@@ -50,6 +52,7 @@ __all__ = [
     "RewardError",
     "Run",
     "Samples",
+    "TrainState",
     "TrainingDiverged",
     "adamw",
     "all_reduce_sum_",
@@ -86,6 +89,7 @@ __all__ = [
     "sequence_logps",
     "sft_loss",
     "sgd",
+    "start_run",
     "step_batches",
     "synthetic_batch",
     "token_logps",

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 
 from astrai.config import ModelConfig, TrainConfig
-from astrai.train.losses import IGNORE, shifted_labels, with_advantages
+from astrai.data import IGNORE, Cursor, as_cursor, cursor_dict, next_batch, open_dataset
+from astrai.train.losses import shifted_labels, with_advantages
 
 GRPO_GROUP = 4  # completions per prompt in synthetic grpo batches
 
@@ -22,6 +23,12 @@ GRPO_GROUP = 4  # completions per prompt in synthetic grpo batches
 class BatchSource(NamedTuple):
     cursor: dict  # where reading starts: JSON-able, stored in the train state
     next: Callable[[dict], tuple[dict, dict]]
+
+
+def start_cursor(rows: int, seed: int, rank: int, world_size: int, shuffle: bool) -> dict:
+    """A data `Cursor` at the start of epoch 0, in the JSON-able form the train state keeps."""
+    cursor = Cursor(batch_size=rows, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
+    return cursor_dict(cursor)
 
 
 def rows_per_rank(train_cfg: TrainConfig, world_size: int) -> int:
@@ -45,15 +52,7 @@ def open_batches(
     data = train_cfg.data
     rows = rows_per_rank(train_cfg, world_size)
     seed = train_cfg.seed if split == "train" else train_cfg.seed + 1_000_003
-    cursor = {
-        "batch_size": rows,
-        "seed": seed,
-        "epoch": 0,
-        "position": 0,
-        "rank": rank,
-        "world_size": world_size,
-        "shuffle": data.shuffle and split == "train",
-    }
+    cursor = start_cursor(rows, seed, rank, world_size, data.shuffle and split == "train")
     if data.source == "synthetic":
         return BatchSource(cursor, lambda c: next_synthetic(c, train_cfg, model_cfg))
     path = data.train if split == "train" else data.valid
@@ -64,8 +63,6 @@ def open_batches(
             "grpo trains on prepared rollouts passed to train(..., batches=...) or on "
             "source = 'synthetic'; a prompt folder alone has no completions to learn from"
         )
-    from astrai.data import next_batch, open_dataset
-
     # A prepared folder is memory-mapped; a data TOML or JSONL file is tokenised in memory.
     dataset = open_dataset(path, train_cfg.kind, tokenizer=train_cfg.tokenizer or None)
     return BatchSource(cursor, lambda c: next_batch(dataset, c))
@@ -80,14 +77,15 @@ def with_rank(cursor: dict, rank: int, world_size: int, rows: int) -> dict:
 
 
 def next_synthetic(cursor: dict, train_cfg: TrainConfig, cfg: ModelConfig) -> tuple[dict, dict]:
-    rows, rank, world = cursor["batch_size"], cursor["rank"], cursor["world_size"]
-    global_rows = rows * world
-    index = cursor["position"] // global_rows
+    """The next synthetic batch: `position` counts rows of the global stream, never wrapping."""
+    c = as_cursor(cursor)
+    global_rows = c.batch_size * c.world_size
     seq_len, vocab = train_cfg.data.seq_len, cfg.vocab_size
-    whole = synthetic_batch(train_cfg.kind, cursor["seed"], index, global_rows, seq_len, vocab)
+    index = c.position // global_rows
+    whole = synthetic_batch(train_cfg.kind, c.seed, index, global_rows, seq_len, vocab)
     whole = with_advantages(whole, train_cfg.loss)  # grpo: over whole groups, before slicing
-    mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in whole.items()}
-    return {**cursor, "position": cursor["position"] + global_rows}, mine
+    mine = {k: v[c.rank * c.batch_size : (c.rank + 1) * c.batch_size] for k, v in whole.items()}
+    return {**cursor, "position": c.position + global_rows}, mine
 
 
 def _counting(g: torch.Generator, n: int, length: int, vocab: int) -> torch.Tensor:

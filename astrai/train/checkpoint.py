@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, TrainConfig
 from astrai.model import load_pretrained, param_shapes, save_pretrained
+from astrai.train.state import TrainState
 
 FORMAT = 1
 TOKENIZER_FILES = (
@@ -83,25 +84,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_train_state(run_dir: str | Path, state: dict, keep: int = 3) -> Path:
+def save_train_state(run_dir: str | Path, state: TrainState, keep: int = 3) -> Path:
     """Write the whole train state as a new checkpoint and keep only the newest `keep`."""
     folder = Path(run_dir) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(state["step"])
+    final = folder / checkpoint_name(state.step)
     tmp = folder / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    train_cfg: TrainConfig = state["train_config"]
-    save_pretrained(tmp, state["params"], state["model_config"])
+    train_cfg = state.train_config
+    save_pretrained(tmp, state.params, state.model_config)
     tensors, scalars = {}, {}
-    _flatten({"opt": state["opt"], "lora": state["lora"]}, "", tensors, scalars)
-    tensors["rng"] = state["rng"]
+    _flatten({"opt": state.opt, "lora": state.lora}, "", tensors, scalars)
+    tensors["rng"] = state.rng
     save_file(tensors, tmp / "train_state.safetensors")
     meta = {
         "format": FORMAT,
-        "step": state["step"],
-        "skipped": state["skipped"],
-        "bad_streak": state["bad_streak"],
-        "cursor": state["cursor"],
+        "step": state.step,
+        "skipped": state.skipped,
+        "bad_streak": state.bad_streak,
+        "cursor": state.cursor,
         "scalars": scalars,
         "train_config": msgspec.to_builtins(train_cfg),
     }
@@ -161,7 +162,7 @@ def load_train_state(
     train_cfg: TrainConfig | None = None,
     device: str | torch.device = "cpu",
     model_cfg: ModelConfig | None = None,
-) -> dict:
+) -> TrainState:
     """Read a checkpoint back into a train state (the inverse of `save_train_state`).
 
     train_cfg defaults to the one saved; passing the current one lets a run be extended
@@ -187,15 +188,15 @@ def load_train_state(
     opt = {k: _ordered_like(v, trainable) if k in ("m", "v") else v for k, v in tree["opt"].items()}
     if train_cfg is None:
         train_cfg = msgspec.convert(meta["train_config"], TrainConfig)
-    return {
-        "params": params,
-        "lora": lora,
-        "opt": opt,
-        "step": meta["step"],
-        "skipped": meta["skipped"],
-        "bad_streak": meta["bad_streak"],
-        "rng": rng,
-        "cursor": meta["cursor"],
-        "model_config": model_cfg or saved_model_cfg,
-        "train_config": train_cfg,
-    }
+    return TrainState(
+        params=params,
+        lora=lora,
+        opt=opt,
+        step=meta["step"],
+        skipped=meta["skipped"],
+        bad_streak=meta["bad_streak"],
+        rng=rng,
+        cursor=meta["cursor"],
+        model_config=model_cfg or saved_model_cfg,
+        train_config=train_cfg,
+    )

@@ -25,16 +25,18 @@ import numpy as np
 import torch
 
 from astrai.config import GrpoConfig, TrainConfig
+from astrai.data import IGNORE, next_batch, open_dataset
 from astrai.infer import Engine
 from astrai.model import merge_lora
 from astrai.tokenizer import Tokenizer
-from astrai.train.batches import BatchSource, rows_per_rank
+from astrai.train.batches import BatchSource, rows_per_rank, start_cursor
 from astrai.train.checkpoint import checkpoint_name
 from astrai.train.distributed import all_reduce_sum_
-from astrai.train.loop import Run, run_step, save_checkpoint
-from astrai.train.losses import IGNORE, group_advantages
+from astrai.train.losses import group_advantages
 from astrai.train.metrics import append_metrics, show_progress
 from astrai.train.rewards import Reward, load_reward
+from astrai.train.run import Run, run_step, save_checkpoint
+from astrai.train.state import TrainState
 
 
 class RewardError(ValueError):
@@ -67,8 +69,6 @@ class Rollout(NamedTuple):
 def prompt_batches(train_cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchSource:
     """The prompts of `data.train`: `prompts_per_round / world_size` per rank and round, as
     {"prompt_ids", "records"}, read by the same cursor as every other dataset."""
-    from astrai.data import next_batch, open_dataset
-
     per_rank, left = divmod(train_cfg.grpo.prompts_per_round, world_size)
     if left:
         raise ValueError(
@@ -76,15 +76,7 @@ def prompt_batches(train_cfg: TrainConfig, rank: int = 0, world_size: int = 1) -
             f"{world_size} ranks"
         )
     dataset = open_dataset(train_cfg.data.train, "grpo", tokenizer=train_cfg.tokenizer or None)
-    cursor = {
-        "batch_size": per_rank,
-        "seed": train_cfg.seed,
-        "epoch": 0,
-        "position": 0,
-        "rank": rank,
-        "world_size": world_size,
-        "shuffle": train_cfg.data.shuffle,
-    }
+    cursor = start_cursor(per_rank, train_cfg.seed, rank, world_size, train_cfg.data.shuffle)
     # a resumed state's cursor says batch_size rows (what the loop gives every source): fix it
     return BatchSource(cursor, lambda c: next_batch(dataset, {**c, "batch_size": per_rank}))
 
@@ -97,26 +89,25 @@ def rollout_tokenizer(train_cfg: TrainConfig) -> Tokenizer:
     raise ValueError("grpo rollouts need a tokenizer: set `tokenizer` to its folder")
 
 
-def policy_params(state: dict) -> dict:
+def policy_params(state: TrainState) -> dict:
     """The params the policy samples with (LoRA adapters merged in)."""
-    return state["params"] if state["lora"] is None else merge_lora(state["params"], state["lora"])
+    return state.params if state.lora is None else merge_lora(state.params, state.lora)
 
 
-def open_rollout(state: dict, train_cfg: TrainConfig, world_size: int = 1) -> Rollout:
+def open_rollout(state: TrainState, train_cfg: TrainConfig, world_size: int = 1) -> Rollout:
     """The Engine (over the state's params; no copy through files) and the reward functions.
     Close it with `rollout.engine.close()`."""
     grpo = train_cfg.grpo
     rewards = {path: load_reward(path) for path in grpo.rewards}
     weights = grpo.reward_weights or (1.0,) * len(grpo.rewards)
     tokenizer = rollout_tokenizer(train_cfg)
-    device = next(iter(state["params"].values())).device
     # every completion of a round in one continuous batch
     engine = Engine(
         policy_params(state),
-        state["model_config"],
+        state.model_config,
         tokenizer,
         max_batch=grpo.rows // world_size,
-        device=device,
+        device=state.device,
     )
     return Rollout(engine, tokenizer, rewards, tuple(weights))
 
@@ -231,13 +222,13 @@ def step_batches(batch: dict, rows_per_step: int, epochs: int, seed: int, step: 
 # --- the round in the loop ----------------------------------------------------------------
 
 
-def sample_and_score(state: dict, prompts: dict, run: Run, rollout: Rollout):
+def sample_and_score(state: TrainState, prompts: dict, run: Run, rollout: Rollout):
     """Sample the round with the state's params and score it -> (samples, rewards by name)."""
     cfg, dist = run.train_cfg, run.dist
     rollout.engine.update_params(policy_params(state))
     first = dist.rank * len(prompts["prompt_ids"]) * cfg.grpo.group_size
     count = len(prompts["prompt_ids"]) * cfg.grpo.group_size
-    seeds = [request_seed(cfg.seed, state["step"], first + i) for i in range(count)]
+    seeds = [request_seed(cfg.seed, state.step, first + i) for i in range(count)]
     samples = sample_group(rollout.engine, prompts["prompt_ids"], cfg.grpo, seeds)
     prompt_texts = [
         rollout.tokenizer.decode(p, skip_special_tokens=False)
@@ -248,9 +239,19 @@ def sample_and_score(state: dict, prompts: dict, run: Run, rollout: Rollout):
     return samples, score(rollout.rewards, prompt_texts, samples.texts, fields)
 
 
-def train_round(state: dict, cursor: dict, prompts: dict, run: Run, rollout: Rollout) -> dict:
+def round_advance(run: Run, rollout: Rollout):
+    """A batch of prompts: one round (the loop's way to advance on a prompt dataset)."""
+
+    def advance(state: TrainState, cursor, prompts: dict) -> TrainState:
+        return train_round(state, cursor, prompts, run, rollout)
+
+    return advance
+
+
+def train_round(state: TrainState, cursor, prompts: dict, run: Run, rollout: Rollout) -> TrainState:
     """One round: sample, score, then `epochs` passes of `run_step` over the completions ->
-    the state after them, its cursor past these prompts.
+    the state after them, its cursor past these prompts. The state is donated, as to
+    `train_step`.
 
     Should sampling or a reward fail, no step of the round has been taken: the state from
     before it is saved as a checkpoint (when it is not one already) and the error goes up."""
@@ -265,14 +266,14 @@ def train_round(state: dict, cursor: dict, prompts: dict, run: Run, rollout: Rol
     pad = rollout.tokenizer.pad_id or 0
     batch = build_batch(samples, total, cfg.loss.grpo_scale_rewards, pad)
     rows = rows_per_rank(cfg, run.dist.world_size)
-    first, state, steps = state["step"], {**state, "cursor": cursor}, []
+    first, state, steps = state.step, state._replace(cursor=cursor), []
     for part in step_batches(batch, rows, cfg.grpo.epochs, cfg.seed, first):
-        if state["step"] >= cfg.max_steps:
+        if state.step >= cfg.max_steps:
             break
         state, metrics = run_step(state, part, run)
         steps.append(metrics)
     times = (rollout_s, time.perf_counter() - started - rollout_s)
-    record = round_metrics(state["step"], samples, rewards, total, steps, times)
+    record = round_metrics(state.step, samples, rewards, total, steps, times)
     if run.dist.is_main:
         append_metrics(run.run_dir / "metrics.jsonl", record)
         if cfg.progress:
@@ -280,10 +281,10 @@ def train_round(state: dict, cursor: dict, prompts: dict, run: Run, rollout: Rol
     return state
 
 
-def keep(state: dict, run: Run) -> None:
+def keep(state: TrainState, run: Run) -> None:
     """Save the state (consistent: between rounds) unless its checkpoint exists already."""
-    folder = run.run_dir / "checkpoints" / checkpoint_name(state["step"])
-    if state["step"] and not folder.exists():
+    folder = run.run_dir / "checkpoints" / checkpoint_name(state.step)
+    if state.step and not folder.exists():
         save_checkpoint(state, run)
 
 

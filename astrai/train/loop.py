@@ -1,150 +1,31 @@
 """The training loop as a function of a TrainConfig: `train(train_cfg) -> state`.
 
-It builds (or resumes) the train state, then repeats: next batch by cursor, `run_step` (the
+It starts (or resumes) a run (astrai/train/run.py), picks how one batch advances the state,
+then repeats: next batch by cursor, advance. A batch of examples is one `run_step` (the
 reference log-probs a dpo/grpo batch needs, `train_step`, metrics, evaluation and checkpoints
-on their cadence). For grpo on a prompt dataset a batch of prompts is a round: rollouts
-through the Engine, rewards, then several `run_step`s (astrai/train/grpo.py).
+on their cadence); for grpo on a prompt dataset a batch of prompts is a round: rollouts through
+the Engine, rewards, then several `run_step`s (astrai/train/grpo.py).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TextIO
 
-import msgspec
-import torch
+from astrai.config import TrainConfig, model_config_from_json
+from astrai.model import merge_lora, save_pretrained
+from astrai.train import grpo
+from astrai.train.batches import BatchSource, open_batches
+from astrai.train.checkpoint import copy_tokenizer
+from astrai.train.distributed import DistInfo, barrier
+from astrai.train.run import Run, run_step, save_checkpoint, start_run
+from astrai.train.state import TrainState
 
-from astrai.config import ModelConfig, TrainConfig, model_config_from_json
-from astrai.model import init_params, load_pretrained, merge_lora, save_pretrained
-from astrai.train.batches import BatchSource, open_batches, rows_per_rank, with_rank
-from astrai.train.checkpoint import (
-    canonical_order,
-    copy_tokenizer,
-    latest_checkpoint,
-    list_checkpoints,
-    load_train_state,
-    remove_partial_checkpoints,
-    save_train_state,
-)
-from astrai.train.distributed import (
-    DistInfo,
-    all_reduce_sum_,
-    barrier,
-    broadcast_,
-    init_distributed,
-)
-from astrai.train.losses import with_reference_logps
-from astrai.train.metrics import (
-    Throughput,
-    append_metrics,
-    progress_line,
-    show_progress,
-    truncate_metrics,
-)
-from astrai.train.step import eval_step, init_train_state, micro_batches, train_step
-
-
-class Run(NamedTuple):
-    """What the loop needs besides the state: fixed for the whole run."""
-
-    train_cfg: TrainConfig
-    dist: DistInfo
-    run_dir: Path
-    reference: dict | None  # frozen params the dpo/grpo reference log-probs come from
-    valid: BatchSource | None
-    throughput: Throughput
-    log: TextIO
-
-
-def initial_params(train_cfg: TrainConfig, device) -> tuple[dict, ModelConfig]:
-    """The params training starts from: `init_from`'s weights, or a fresh `[model]` at `seed`."""
-    if train_cfg.init_from:
-        params, cfg = load_pretrained(train_cfg.init_from, device=device)
-        return canonical_order(params, cfg), cfg
-    return init_params(train_cfg.model, seed=train_cfg.seed, device=device), train_cfg.model
-
-
-def needs_reference(train_cfg: TrainConfig) -> bool:
-    return train_cfg.kind == "dpo" or (train_cfg.kind == "grpo" and train_cfg.loss.grpo_kl_beta > 0)
-
-
-def prepare_batch(batch: dict, state: dict, run: Run) -> dict:
-    """Move a batch to the device and add the reference model's log-probs when the loss needs
-    them. With LoRA the reference is the frozen base model itself (adapters off)."""
-    batch = {
-        k: v.to(run.dist.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-    }
-    if run.reference is None:
-        return batch
-    cfg, opts = state["model_config"], run.train_cfg.loss
-    return with_reference_logps(batch, run.train_cfg.kind, run.reference, cfg, opts)
-
-
-def evaluate(state: dict, run: Run) -> float | None:
-    """Mean loss over `eval_batches` batches of the held-out split (the same ones every time)."""
-    if run.valid is None:
-        return None
-    cursor, total = run.valid.cursor, torch.zeros(2, device=run.dist.device)
-    for _ in range(run.train_cfg.eval_batches):
-        cursor, batch = run.valid.next(cursor)
-        for micro in micro_batches(prepare_batch(batch, state, run), run.train_cfg.grad_accum):
-            total += torch.stack(eval_step(state, micro))
-    all_reduce_sum_([total])
-    loss_sum, weight = total.tolist()
-    return loss_sum / max(weight, 1e-12)
-
-
-def save_checkpoint(state: dict, run: Run) -> None:
-    if run.dist.is_main:
-        save_train_state(run.run_dir, state, run.train_cfg.keep_checkpoints)
-
-
-def run_step(state: dict, batch: dict, run: Run) -> tuple[dict, dict]:
-    """One optimizer step with everything the loop does around it -> (state, metrics)."""
-    cfg = run.train_cfg
-    state, metrics = train_step(state, prepare_batch(batch, state, run))
-    step = state["step"]
-    run.throughput.update(metrics["tokens"])
-    metrics = {"step": step, **metrics}
-    due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
-    eval_now = due and run.valid is not None
-    log_now = run.dist.is_main and (step % cfg.log_every == 0 or eval_now or step == cfg.max_steps)
-    if log_now:
-        metrics["tokens_per_s"] = run.throughput.tokens_per_s()
-    if eval_now:
-        metrics["eval_loss"] = evaluate(state, run)
-        run.throughput.reset_window()  # evaluation time is not training speed
-    if log_now:
-        append_metrics(run.run_dir / "metrics.jsonl", metrics)
-        if cfg.progress:
-            eta = run.throughput.eta(step, cfg.max_steps)
-            line = progress_line(step, cfg.max_steps, metrics, metrics["tokens_per_s"], eta)
-            show_progress(line, run.log, final=step == cfg.max_steps)
-    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-        save_checkpoint(state, run)
-    return state, metrics
-
-
-def resume_point(run_dir: Path, resume: bool | str) -> Path | None:
-    """The checkpoint to resume from: the given path, the run's latest (resume=True), or none."""
-    if isinstance(resume, (str, Path)) and resume not in ("", "latest"):
-        if not (Path(resume) / "train_state.json").exists():
-            raise FileNotFoundError(f"{resume}: not a training checkpoint (no train_state.json)")
-        return Path(resume)
-    return latest_checkpoint(run_dir) if resume else None
-
-
-def start_state(train_cfg: TrainConfig, dist: DistInfo, source_cursor: dict, ckpt: Path | None):
-    rows = rows_per_rank(train_cfg, dist.world_size)
-    if ckpt is not None:
-        state = load_train_state(ckpt, train_cfg, dist.device)
-        return {**state, "cursor": with_rank(state["cursor"], dist.rank, dist.world_size, rows)}
-    params, model_cfg = initial_params(train_cfg, dist.device)
-    broadcast_(list(params.values()))  # every rank starts from rank 0's weights
-    return init_train_state(params, train_cfg, model_cfg, cursor=source_cursor)
+# state, the cursor after the batch, the batch -> the state after it (the old one donated)
+Advance = Callable[[TrainState, object, dict], TrainState]
 
 
 def train(
@@ -152,74 +33,62 @@ def train(
     resume: bool | str = True,
     batches: BatchSource | None = None,
     log: TextIO = sys.stderr,
-) -> dict:
+) -> TrainState:
     """Run training to `max_steps` and return the final state.
 
     resume: True continues from the latest checkpoint in out_dir (if any), a path continues
     from that checkpoint, False starts afresh. batches replaces the configured data source.
     """
-    dist = init_distributed(train_cfg.backend, train_cfg.device)
-    run_dir = Path(train_cfg.out_dir)
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        remove_partial_checkpoints(run_dir)
-        if resume is False:  # starting over: older checkpoints would be mistaken for this run's
-            for old in list_checkpoints(run_dir):
-                shutil.rmtree(old)
-    barrier()
-    ckpt = resume_point(run_dir, resume)
-    probe_cfg = train_cfg.model or model_config_from_json(Path(train_cfg.init_from) / "config.json")
-    from astrai.train import grpo  # it builds on this module, so it is imported here
-
-    if batches is None and train_cfg.rollouts:  # grpo on prompts: the loop samples completions
-        batches = grpo.prompt_batches(train_cfg, dist.rank, dist.world_size)
-    source = batches or open_batches(train_cfg, probe_cfg, dist.rank, dist.world_size, "train")
-    if source is None:
-        raise ValueError("no training data: set [data] train (or source = 'synthetic')")
-    state = start_state(train_cfg, dist, source.cursor, ckpt)
-    reference = None
-    if needs_reference(train_cfg):
-        reference = state["params"] if state["lora"] else _frozen_copy(train_cfg, dist, state, ckpt)
-    valid = open_batches(train_cfg, state["model_config"], dist.rank, dist.world_size, "valid")
-    run = Run(train_cfg, dist, run_dir, reference, valid, Throughput(state["step"]), log)
-    if dist.is_main:
-        truncate_metrics(run_dir / "metrics.jsonl", state["step"])
-        config_json = json.dumps(msgspec.to_builtins(train_cfg), indent=2)
-        (run_dir / "train_config.json").write_text(config_json + "\n")
-    last_saved = state["step"] if ckpt is not None else None
-    rollout = None
-    try:
-        while state["step"] < train_cfg.max_steps:
-            cursor, batch = source.next(state["cursor"])
-            if "prompt_ids" in batch:  # prompts: a grpo round of rollouts and several steps
-                rollout = rollout or grpo.open_rollout(state, train_cfg, dist.world_size)
-                state = grpo.train_round(state, cursor, batch, run, rollout)
-            else:
-                state, _ = run_step({**state, "cursor": cursor}, batch, run)
-            if train_cfg.checkpoint_every and state["step"] % train_cfg.checkpoint_every == 0:
-                last_saved = state["step"]
-    finally:
-        if rollout is not None:
-            rollout.engine.close()
-    if last_saved != state["step"]:
+    rounds = batches is None and train_cfg.rollouts  # grpo on prompts: the loop samples
+    state, source, run = start_run(train_cfg, resume, _source(train_cfg, batches, rounds), log)
+    last_saved = state.step if run.resumed else None
+    with contextlib.ExitStack() as cleanup:
+        if rounds:
+            rollout = grpo.open_rollout(state, train_cfg, run.dist.world_size)
+            cleanup.callback(rollout.engine.close)
+            advance = grpo.round_advance(run, rollout)
+        else:
+            advance = step_advance(run)
+        while state.step < train_cfg.max_steps:
+            cursor, batch = source.next(state.cursor)
+            state = advance(state, cursor, batch)
+            if train_cfg.checkpoint_every and state.step % train_cfg.checkpoint_every == 0:
+                last_saved = state.step
+    if last_saved != state.step:
         save_checkpoint(state, run)
-    if dist.is_main:
-        export_model(state, run_dir / "model", train_cfg.tokenizer)
+    if run.dist.is_main:
+        export_model(state, run.run_dir / "model", train_cfg.tokenizer)
     barrier()
     return state
 
 
-def _frozen_copy(train_cfg: TrainConfig, dist: DistInfo, state: dict, ckpt: Path | None) -> dict:
-    """The reference model: the starting weights, which a resumed run reloads."""
-    if ckpt is None:
-        return {k: v.detach().clone() for k, v in state["params"].items()}
-    return initial_params(train_cfg, dist.device)[0]
+def _source(train_cfg: TrainConfig, batches: BatchSource | None, rounds: bool):
+    """dist -> this rank's training batches: the given ones, grpo's prompts, or `[data]`'s."""
+
+    def open_source(dist: DistInfo) -> BatchSource | None:
+        if batches is not None:
+            return batches
+        if rounds:
+            return grpo.prompt_batches(train_cfg, dist.rank, dist.world_size)
+        model_cfg = train_cfg.model or model_config_from_json(
+            Path(train_cfg.init_from) / "config.json"
+        )
+        return open_batches(train_cfg, model_cfg, dist.rank, dist.world_size, "train")
+
+    return open_source
 
 
-def export_model(state: dict, path: Path, tokenizer: str = "") -> None:
+def step_advance(run: Run) -> Advance:
+    """A batch of examples: one optimizer step."""
+
+    def advance(state: TrainState, cursor, batch: dict) -> TrainState:
+        return run_step(state._replace(cursor=cursor), batch, run)[0]
+
+    return advance
+
+
+def export_model(state: TrainState, path: Path, tokenizer: str = "") -> None:
     """The trained model as a `save_pretrained` folder, LoRA adapters merged in."""
-    params = (
-        state["params"] if state["lora"] is None else merge_lora(state["params"], state["lora"])
-    )
-    save_pretrained(path, params, state["model_config"])
+    params = state.params if state.lora is None else merge_lora(state.params, state.lora)
+    save_pretrained(path, params, state.model_config)
     copy_tokenizer(tokenizer, path)

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from astrai.config import LossConfig, ModelConfig
+from astrai.data.datasets import IGNORE
 from astrai.model import forward
-
-IGNORE = -100
 
 
 def _forward(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkpoint, generator):

@@ -1,7 +1,6 @@
-"""The train state as one pytree, and `train_step(state, batch) -> (state, metrics)`.
+"""`train_step(state, batch) -> (state, metrics)` over the `TrainState` of astrai/train/state.py.
 
-The state holds params (and the LoRA tree when adapters are trained), the optimizer moments,
-counters, the RNG state and the data cursor, plus the two configs as static fields. One step:
+One step:
 split the batch into micro-batches, take gradients (`torch.func.grad_and_value`, or
 torch.autograd with the same contract; see `grad_engine`), sum them
 (weighted by each micro-batch's token or sequence count) and all-reduce across ranks, clip by
@@ -19,47 +18,15 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from astrai.config import ModelConfig, TrainConfig
-from astrai.model import init_lora
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
 from astrai.train.schedules import lr_at
+from astrai.train.state import TrainState
 
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
-
-
-def init_train_state(
-    params: dict[str, torch.Tensor],
-    train_cfg: TrainConfig,
-    model_cfg: ModelConfig | None = None,
-    lora: dict | None = None,
-    cursor: dict | None = None,
-) -> dict:
-    """A fresh train state. model_cfg defaults to train_cfg.model; with `lora.rank > 0` (or a
-    given `lora` tree) only the adapters are trained and `params` stay frozen."""
-    model_cfg = model_cfg or train_cfg.model
-    if model_cfg is None:
-        raise ValueError("init_train_state needs model_cfg when train_cfg.model is not set")
-    device = next(iter(params.values())).device
-    if lora is None and train_cfg.lora.rank:
-        lc = train_cfg.lora
-        lora = init_lora(params, model_cfg, lc.rank, lc.alpha, tuple(lc.targets), lc.seed)
-    trainable = params if lora is None else lora["weights"]
-    generator = torch.Generator(device=device).manual_seed(train_cfg.seed)
-    return {
-        "params": params,
-        "lora": lora,
-        "opt": make_optimizer(train_cfg.optimizer, trainable).init(trainable),
-        "step": 0,
-        "skipped": 0,
-        "bad_streak": 0,
-        "rng": generator.get_state(),
-        "cursor": cursor,
-        "model_config": model_cfg,
-        "train_config": train_cfg,
-    }
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -194,25 +161,25 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     }
 
 
-def _accumulate(state: dict, batch, generator):
+def _accumulate(state: TrainState, batch, generator):
     """Weighted gradient sum over micro-batches -> (grad leaves, spec, stat names, stats)."""
-    model_cfg, train_cfg = state["model_config"], state["train_config"]
-    lora = state["lora"]
-    trainable = state["params"] if lora is None else lora["weights"]
+    train_cfg, lora = state.train_config, state.lora
     lora_scale = None if lora is None else lora["scale"]
-    device = next(iter(state["params"].values())).device
-    fn = grad_fn(model_cfg, train_cfg)
+    fn = grad_fn(state.model_config, train_cfg)
     total, names, stats = None, None, None
     for micro in micro_batches(batch, train_cfg.grad_accum):
-        micro = _to_device(micro, device)
-        grads, (_, (loss, metrics)) = fn(trainable, state["params"], lora_scale, micro, generator)
+        micro = _to_device(micro, state.device)
+        grads, (_, (loss, metrics)) = fn(
+            state.trainable, state.params, lora_scale, micro, generator
+        )
         leaves, spec = tree_flatten(grads)
-        weight = metrics["weight"].to(device)
+        weight = metrics["weight"].to(state.device)
         # Averages over the global batch are sums of (value * weight) divided by the summed weight.
-        values = {"loss": loss * weight, "weight": weight, "tokens": metrics["tokens"].to(device)}
+        tokens = metrics["tokens"].to(state.device)
+        values = {"loss": loss * weight, "weight": weight, "tokens": tokens}
         for k, v in metrics.items():
             if k not in values:
-                values[k] = v.detach().float().to(device) * weight
+                values[k] = v.detach().float().to(state.device) * weight
         row = torch.stack([values[k].float().reshape(()) for k in sorted(values)])
         if total is None:
             total, names, stats = leaves, sorted(values), row
@@ -222,18 +189,19 @@ def _accumulate(state: dict, batch, generator):
     return total, spec, names, stats
 
 
-def train_step(state: dict, batch: dict | list[dict]) -> tuple[dict, dict]:
+def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState, dict]:
     """One optimizer step on a batch (a dict of [B, ...] tensors, split into grad_accum
     micro-batches, or a list of micro-batches) -> (new state, metrics as Python numbers).
 
-    The state is donated: params and moments are updated in place. A non-finite loss or
-    gradient leaves them untouched and counts a skipped step; `max_bad_steps` skipped steps in
-    a row raise TrainingDiverged.
+    The state is donated, as with JAX's donate_argnums: the params (or LoRA adapters) and the
+    optimizer moments are updated in place, so the new state holds the same tensors as the old
+    one, now changed. The caller must not use the old state again (clone what it wants to keep).
+    A non-finite loss or gradient leaves the tensors untouched and counts a skipped step;
+    `max_bad_steps` skipped steps in a row raise TrainingDiverged.
     """
-    train_cfg = state["train_config"]
-    device = next(iter(state["params"].values())).device
-    generator = torch.Generator(device=device)
-    generator.set_state(state["rng"])
+    train_cfg = state.train_config
+    generator = torch.Generator(device=state.device)
+    generator.set_state(state.rng)
     if train_cfg.kind == "grpo" and isinstance(batch, dict):
         batch = with_advantages(batch, train_cfg.loss)  # on whole groups, before splitting
     grads, spec, names, stats = _accumulate(state, batch, generator)
@@ -247,51 +215,49 @@ def train_step(state: dict, batch: dict | list[dict]) -> tuple[dict, dict]:
     norm_value = numbers[0] / w
     metrics = {k: v / w for k, v in summed.items() if k not in ("weight", "tokens")}
     metrics |= {"tokens": summed["tokens"], "grad_norm": norm_value}
-    step = state["step"]
-    lr = lr_at(step, train_cfg.schedule, train_cfg.optimizer.lr, train_cfg.max_steps)
-    finite = math.isfinite(norm_value) and math.isfinite(metrics["loss"])
-    new = {**state, "step": step + 1, "rng": generator.get_state()}
-    if not finite:
-        new |= {"skipped": state["skipped"] + 1, "bad_streak": state["bad_streak"] + 1}
-        if new["bad_streak"] >= train_cfg.max_bad_steps:
-            raise TrainingDiverged(
-                f"{new['bad_streak']} steps in a row (up to step {step + 1}) had a non-finite "
-                f"loss or gradient; the state was left as it was before them. Lower optimizer.lr, "
-                "check the data, or raise max_bad_steps."
-            )
-        return new, {**metrics, "lr": lr, "skipped": new["skipped"], "step_skipped": True}
+    lr = lr_at(state.step, train_cfg.schedule, train_cfg.optimizer.lr, train_cfg.max_steps)
+    metrics["lr"] = lr
+    stepped = state._replace(step=state.step + 1, rng=generator.get_state())
+    if not (math.isfinite(norm_value) and math.isfinite(metrics["loss"])):
+        new = _skip(stepped, train_cfg.max_bad_steps)
+        return new, {**metrics, "skipped": new.skipped, "step_skipped": True}
     # Divide by the total weight and clip in one pass over the gradients.
     max_norm = train_cfg.optimizer.max_grad_norm
     clip = max_norm / (norm_value + 1e-6) if max_norm and norm_value > max_norm else 1.0
     torch._foreach_mul_(grads, clip / w)
-    lora = state["lora"]
-    trainable = state["params"] if lora is None else lora["weights"]
-    optimizer = make_optimizer(train_cfg.optimizer, trainable)
-    trainable, opt_state = optimizer.update(
-        trainable, tree_unflatten(grads, spec), state["opt"], lr
-    )
-    if lora is None:
-        new["params"] = trainable
+    optimizer = make_optimizer(train_cfg.optimizer, state.trainable)
+    trainable, opt = optimizer.update(state.trainable, tree_unflatten(grads, spec), state.opt, lr)
+    if state.lora is None:
+        new = stepped._replace(params=trainable, opt=opt, bad_streak=0)
     else:
-        new["lora"] = {**lora, "weights": trainable}
-    new |= {"opt": opt_state, "bad_streak": 0}
-    return new, {**metrics, "lr": lr, "skipped": new["skipped"]}
+        new = stepped._replace(lora={**state.lora, "weights": trainable}, opt=opt, bad_streak=0)
+    return new, {**metrics, "skipped": new.skipped}
+
+
+def _skip(state: TrainState, max_bad_steps: int) -> TrainState:
+    """The state after a step whose update was not applied; too many in a row raise."""
+    state = state._replace(skipped=state.skipped + 1, bad_streak=state.bad_streak + 1)
+    if state.bad_streak >= max_bad_steps:
+        raise TrainingDiverged(
+            f"{state.bad_streak} steps in a row (up to step {state.step}) had a non-finite "
+            f"loss or gradient; the state was left as it was before them. Lower optimizer.lr, "
+            "check the data, or raise max_bad_steps."
+        )
+    return state
 
 
 @torch.no_grad()
-def eval_step(state: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def eval_step(state: TrainState, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss * weight, weight) on one batch, without noise, checkpointing or any update."""
-    train_cfg = state["train_config"]
+    train_cfg = state.train_config
     quiet = msgspec.structs.replace(
         train_cfg,
         activation_checkpointing=False,
         loss=msgspec.structs.replace(train_cfg.loss, neftune_alpha=0.0),
     )
-    lora = state["lora"]
-    trainable = state["params"] if lora is None else lora["weights"]
-    lora_scale = None if lora is None else lora["scale"]
+    lora_scale = None if state.lora is None else state.lora["scale"]
     if quiet.kind == "grpo":
         batch = with_advantages(batch, quiet.loss)
-    objective = _objective(state["model_config"], quiet)
-    weighted, (_, metrics) = objective(trainable, state["params"], lora_scale, batch, None)
+    objective = _objective(state.model_config, quiet)
+    weighted, (_, metrics) = objective(state.trainable, state.params, lora_scale, batch, None)
     return weighted.float(), metrics["weight"].to(weighted.device).float()

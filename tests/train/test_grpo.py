@@ -180,7 +180,7 @@ def test_rewards_rise_on_a_learnable_reward(prompts_dir, tmp_path):
     early = sum(r["reward_mean"] for r in rounds[:4]) / 4
     late = sum(r["reward_mean"] for r in rounds[-4:]) / 4
     assert early < 0.3 and late > 0.7, (early, late)
-    assert state["step"] == 24 and state["cursor"]["position"] + state["cursor"]["epoch"] > 0
+    assert state.step == 24 and state.cursor["position"] + state.cursor["epoch"] > 0
     assert first["step"] == 1
     plot = load_program("plot")  # `just plot` draws the reward curve, one line per function
     panels = dict(plot.curves(read_metrics(tmp_path / "metrics.jsonl")))
@@ -204,9 +204,9 @@ def test_a_raising_reward_is_named_and_nothing_trained_is_lost(prompts_dir, tmp_
         train(cfg)
     # the first round's step was saved before the error went up, and resumes cleanly
     saved = load_train_state(latest_checkpoint(tmp_path), cfg)
-    assert saved["step"] == 1 and saved["cursor"]["position"] == 4
+    assert saved.step == 1 and saved.cursor["position"] == 4
     cfg = grpo_config(prompts_dir, tmp_path, max_steps=2)
-    assert train(cfg)["step"] == 2
+    assert train(cfg).step == 2
 
 
 def test_resumed_run_ends_where_the_straight_run_does(prompts_dir, tmp_path):
@@ -222,9 +222,9 @@ def test_resumed_run_ends_where_the_straight_run_does(prompts_dir, tmp_path):
     straight = train(grpo_config(prompts_dir, tmp_path / "a", max_steps=12, **common))
     train(grpo_config(prompts_dir, tmp_path / "b", max_steps=4, **common))
     resumed = train(grpo_config(prompts_dir, tmp_path / "b", max_steps=12, **common))
-    assert resumed["step"] == straight["step"] == 12
-    assert resumed["cursor"] == straight["cursor"]
-    assert same_tensors(resumed["params"], straight["params"])
+    assert resumed.step == straight.step == 12
+    assert resumed.cursor == straight.cursor
+    assert same_tensors(resumed.params, straight.params)
     a = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "reward_mean" in r]
     b = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "reward_mean" in r]
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]

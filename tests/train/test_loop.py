@@ -42,7 +42,7 @@ def test_dpo_starts_from_init_from_and_prefers_chosen(tmp_path):
         "step_00000020",
     ]
     model, cfg_back = load_pretrained(tmp_path / "run" / "model")
-    assert cfg_back == TINY and same_tensors(model, state["params"])
+    assert cfg_back == TINY and same_tensors(model, state.params)
     assert not same_tensors(model, base)
 
 
@@ -78,7 +78,7 @@ def test_trains_on_shards_from_the_data_pipeline(tmp_path):
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]
     assert records[-1]["loss"] < records[0]["loss"]
-    assert state["cursor"]["position"] > 0 or state["cursor"]["epoch"] > 0
+    assert state.cursor["position"] > 0 or state.cursor["epoch"] > 0
     assert (tmp_path / "run" / "model" / "tokenizer.json").exists()
 
 
@@ -93,7 +93,7 @@ def test_grpo_trains_from_rollouts_handed_to_the_loop(tmp_path):
         return {"round": round_ + 1}, synthetic_batch("grpo", 3, round_, 8, 16, TINY.vocab_size)
 
     state = train(cfg, batches=BatchSource({"round": 0}, rollouts))
-    assert state["step"] == 8 and state["cursor"] == {"round": 8}
+    assert state.step == 8 and state.cursor == {"round": 8}
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert all("kl" in r and "clip_fraction" in r for r in records)
 

@@ -53,28 +53,28 @@ def test_save_and_load_round_trip_the_whole_state(tmp_path, lora):
     state = _steps(init_train_state(init_params(TINY), cfg, cursor={"position": 24, "epoch": 0}), 3)
     path = save_train_state(tmp_path, state)
     loaded = load_train_state(path)
-    assert loaded["step"] == 3 and loaded["cursor"] == state["cursor"]
-    assert loaded["train_config"] == cfg and loaded["model_config"] == TINY
-    assert same_tensors(loaded["params"], state["params"])
-    assert torch.equal(loaded["rng"], state["rng"])
-    assert loaded["opt"]["count"] == state["opt"]["count"]
+    assert loaded.step == 3 and loaded.cursor == state.cursor
+    assert loaded.train_config == cfg and loaded.model_config == TINY
+    assert same_tensors(loaded.params, state.params)
+    assert torch.equal(loaded.rng, state.rng)
+    assert loaded.opt["count"] == state.opt["count"]
     for name in ("m", "v"):
-        a, b = loaded["opt"][name], state["opt"][name]
+        a, b = loaded.opt[name], state.opt[name]
         if lora:
             a, b = _flat_lora(a), _flat_lora(b)
         assert same_tensors(a, b)
     if lora:
-        assert torch.equal(loaded["lora"]["scale"], state["lora"]["scale"])
+        assert torch.equal(loaded.lora["scale"], state.lora["scale"])
     # The same steps from the loaded state and from the original give the same params.
     a, b = _steps(state, 2), _steps(loaded, 2)
-    assert same_tensors(a["params"], b["params"])
+    assert same_tensors(a.params, b.params)
     assert load_pretrained(path)[1] == TINY  # the model part is a save_pretrained folder
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     state = init_train_state(init_params(TINY), tiny_train_config())
     for step in (2, 4, 6, 8):
-        save_train_state(tmp_path, {**state, "step": step}, keep=2)
+        save_train_state(tmp_path, state._replace(step=step), keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000006", "step_00000008"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_00000006",
@@ -103,7 +103,7 @@ def test_resumed_run_matches_a_straight_run(tmp_path):
         train(cfg, batches=BatchSource(source.cursor, failing_next))
     assert list_checkpoints(tmp_path / "b")[-1].name == "step_00000008"
     resumed = train(cfg)
-    assert same_tensors(resumed["params"], straight["params"])
+    assert same_tensors(resumed.params, straight.params)
     steps = [r["step"] for r in map(json.loads, (tmp_path / "b" / "metrics.jsonl").open())]
     assert steps == sorted(set(steps))  # the steps after the checkpoint were not logged twice
 
@@ -138,7 +138,7 @@ def test_a_run_killed_mid_way_resumes_bit_exactly(tmp_path):
     a, _ = load_pretrained(tmp_path / "straight" / "model")
     b, _ = load_pretrained(run_dir / "model")
     assert same_tensors(a, b)
-    assert load_train_state(list_checkpoints(run_dir)[-1])["step"] == 80
+    assert load_train_state(list_checkpoints(run_dir)[-1]).step == 80
 
 
 def test_resume_from_a_named_checkpoint_and_fresh(tmp_path):
@@ -147,10 +147,10 @@ def test_resume_from_a_named_checkpoint_and_fresh(tmp_path):
     first = list_checkpoints(tmp_path)[0]
     assert first.name == "step_00000002"
     again = train(cfg, resume=str(first))  # continues from step 2 to 6
-    assert again["step"] == 6
+    assert again.step == 6
     with pytest.raises(FileNotFoundError, match="not a training checkpoint"):
         train(cfg, resume=str(tmp_path / "nowhere"))
     fresh = train(
         train_config({**tiny_config(max_steps=6), "out_dir": str(tmp_path)}), resume=False
     )
-    assert fresh["step"] == 6
+    assert fresh.step == 6

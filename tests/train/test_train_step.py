@@ -60,7 +60,7 @@ def _correct_logp(params, seed=99):
 def test_grpo_raises_the_probability_of_rewarded_completions():
     before = _correct_logp(init_params(TINY, seed=0))
     state, history = _train("grpo", 40, loss={"grpo_kl_beta": 0.01})
-    assert _correct_logp(state["params"]) > before + 0.4
+    assert _correct_logp(state.params) > before + 0.4
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in history)
     assert history[-1]["kl"] > 0
 
@@ -79,7 +79,7 @@ def test_accumulation_equals_one_big_batch():
         state = init_train_state(init_params(TINY, seed=0), cfg)
         for _ in range(2):
             state, metrics = train_step(state, batch)
-        results.append((state["params"], metrics["loss"]))
+        results.append((state.params, metrics["loss"]))
     for k in results[0][0]:
         torch.testing.assert_close(results[0][0][k], results[1][0][k], rtol=1e-5, atol=1e-6)
     assert results[0][1] == pytest.approx(results[1][1], rel=1e-5)
@@ -91,8 +91,8 @@ def test_a_list_of_micro_batches_is_taken_as_given():
     whole, _ = train_step(init_train_state(init_params(TINY), cfg), batch)
     parts = [{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}]
     split, _ = train_step(init_train_state(init_params(TINY), cfg), parts)
-    for k in whole["params"]:
-        torch.testing.assert_close(whole["params"][k], split["params"][k], rtol=1e-5, atol=1e-6)
+    for k in whole.params:
+        torch.testing.assert_close(whole.params[k], split.params[k], rtol=1e-5, atol=1e-6)
 
 
 def test_lora_trains_only_the_adapters():
@@ -100,13 +100,13 @@ def test_lora_trains_only_the_adapters():
     params = init_params(TINY, seed=0)
     frozen = {k: v.clone() for k, v in params.items()}
     state = init_train_state(params, cfg)
-    start = {k: {n: t.clone() for n, t in v.items()} for k, v in state["lora"]["weights"].items()}
+    start = {k: {n: t.clone() for n, t in v.items()} for k, v in state.lora["weights"].items()}
     losses = []
     for i in range(25):
         state, metrics = train_step(state, _batch("seq", i))
         losses.append(metrics["loss"])
-    assert same_tensors(state["params"], frozen)
-    moved = [not torch.equal(start[k]["B"], v["B"]) for k, v in state["lora"]["weights"].items()]
+    assert same_tensors(state.params, frozen)
+    moved = [not torch.equal(start[k]["B"], v["B"]) for k, v in state.lora["weights"].items()]
     assert all(moved)
     assert losses[-1] < losses[0]
 
@@ -119,7 +119,7 @@ def test_activation_checkpointing_gives_the_same_step():
         )
         for i in range(2):
             state, _ = train_step(state, _batch("seq", i))
-        results.append(state["params"])
+        results.append(state.params)
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
 
@@ -133,15 +133,15 @@ def test_non_finite_steps_are_skipped_and_then_stop_training():
     cfg = tiny_train_config(kind="grpo", max_bad_steps=3, loss={"grpo_kl_beta": 0.0})
     state = init_train_state(init_params(TINY), cfg)
     state, _ = train_step(state, _batch("grpo", 0))
-    params = {k: v.clone() for k, v in state["params"].items()}
-    moments = {k: v.clone() for k, v in state["opt"]["m"].items()}
+    params = {k: v.clone() for k, v in state.params.items()}
+    moments = {k: v.clone() for k, v in state.opt["m"].items()}
     state, metrics = train_step(state, _bad_batch(1))
     assert metrics["step_skipped"] and metrics["skipped"] == 1
-    assert same_tensors(state["params"], params) and same_tensors(state["opt"]["m"], moments)
-    assert state["opt"]["count"] == 1 and state["step"] == 2
+    assert same_tensors(state.params, params) and same_tensors(state.opt["m"], moments)
+    assert state.opt["count"] == 1 and state.step == 2
     state, _ = train_step(state, _bad_batch(2))
     state, metrics = train_step(state, _batch("grpo", 3))  # a good step resets the streak
-    assert state["bad_streak"] == 0 and metrics["skipped"] == 2
+    assert state.bad_streak == 0 and metrics["skipped"] == 2
     state, _ = train_step(state, _bad_batch(4))
     state, _ = train_step(state, _bad_batch(5))
     with pytest.raises(TrainingDiverged, match="3 steps in a row"):
@@ -163,4 +163,4 @@ def test_compile_falls_back_to_eager_with_a_message(monkeypatch, capsys):
         eager, _ = train_step(eager, _batch("seq", i))
         compiled, _ = train_step(compiled, _batch("seq", i))
     assert "torch.compile failed" in capsys.readouterr().err
-    assert same_tensors(eager["params"], compiled["params"])
+    assert same_tensors(eager.params, compiled.params)
