@@ -5,8 +5,9 @@
 Our code and transformers run side by side on the same weights and inputs, in alternating
 rounds, and the table reports ratios (on a shared machine absolute numbers are noise; ratios
 measured side by side are not). Sections: limit, decode, throughput, prefill, train,
-serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, chart.png);
-docs/benchmarks.md explains how to read them.
+serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, and chart.png when
+matplotlib is installed); docs/benchmarks.md explains how to read them. The benchmark itself
+lives in programs/benchmark/, outside the astrai package.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from astrai.bench.models import SIZES
-from astrai.bench.run import DTYPES, Options, run_bench, summary
-from astrai.bench.sections import SECTIONS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark package beside it
+
+from benchmark.models import SIZES
+from benchmark.run import DTYPES, Options, run_bench, summary
+from benchmark.sections import SECTIONS
 
 
 def parse(argv: list[str] | None = None) -> Options:

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import struct
-import zlib
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-import astrai
-from astrai.bench import ours
-from astrai.bench.chart import Panel, encode_png, render_png
-from astrai.bench.limits import (
+from benchmark import ours
+from benchmark.chart import Panel, write_chart
+from benchmark.limits import (
     decode_bytes_per_token,
     decode_flops_per_token,
     roofline_tokens_per_s,
 )
-from astrai.bench.run import selected_sections
-from astrai.bench.timing import interleave, percentile
+from benchmark.run import selected_sections
+from benchmark.timing import interleave, percentile
+
+import astrai
 from astrai.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,23 +80,25 @@ def test_sections_are_validated_and_decoding_brings_the_limits():
         selected_sections(("decoding",))
 
 
-def test_png_encoder_writes_the_pixels_it_was_given():
-    width, height = 5, 3
-    pixels = bytes(range(width * height * 3))
-    png = encode_png(pixels, width, height)
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert struct.unpack(">II", png[16:24]) == (width, height)
-    length = struct.unpack(">I", png[33:37])[0]
-    assert png[37:41] == b"IDAT"
-    raw = zlib.decompress(png[41 : 41 + length])
-    rows = [raw[y * (width * 3 + 1) : (y + 1) * (width * 3 + 1)] for y in range(height)]
-    assert all(row[0] == 0 for row in rows)
-    assert b"".join(row[1:] for row in rows) == pixels
+def test_chart_draws_any_text_and_values(tmp_path):
+    bars = [("Décodé ~ 16", 2.5, 3.0), ("zero", 0.0, None)]
+    panel = Panel("ratios", bars, 1.0, "same speed", "ours / reference (x)", "{:.2f}x")
+    write_chart(tmp_path / "chart.png", "title", [panel, Panel("empty", [], 1.0, "", "", "")])
+    assert (tmp_path / "chart.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_chart_renders_any_text_and_values():
-    panel = Panel("ratios; 1.0 = parity", [("Décodé ~ 16", 2.5, 3.0), ("zero", 0.0, None)], 1.0, "{:.2f}x")  # fmt: skip
-    assert render_png("title", [panel]).startswith(b"\x89PNG")
+def test_without_matplotlib_the_figures_are_written_and_the_fix_is_named(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "prefill"]
+    assert load_program().main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert 'pip install -e ".[plot]"' in out
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "models"]
+    assert not (run_dir / "chart.png").exists()
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    assert any(r["section"] == "prefill" for r in rows)
 
 
 def test_percentile_agrees_with_numpy():
@@ -145,7 +146,7 @@ def test_roofline_is_memory_bound_at_batch_1_and_compute_bound_when_large():
 
 
 def test_without_transformers_our_own_folder_and_figures(tmp_path, monkeypatch, capsys):
-    from astrai.bench import models, run
+    from benchmark import models, run
 
     monkeypatch.setattr(models, "has_transformers", lambda: False)
     monkeypatch.setattr(run, "has_transformers", lambda: False)

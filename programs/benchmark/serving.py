@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 
-from astrai.bench.timing import percentile
+from .timing import percentile
 
 MODEL_NAME = "bench"
 

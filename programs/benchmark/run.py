@@ -1,5 +1,5 @@
 """One benchmark run: both sides load one weights folder, the chosen sections run, and
-results.json, results.md and chart.png are written to <out>/<timestamp>/."""
+results.json, results.md and (with matplotlib) chart.png are written to <out>/<timestamp>/."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from pathlib import Path
 
 import msgspec
 import torch
+from figures import NoMatplotlib
 
 import astrai
-from astrai.bench.chart import Panel, write_chart
-from astrai.bench.models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
-from astrai.bench.report import markdown, table
-from astrai.bench.sections import SECTIONS, Bench, limit_rows
+
+from .chart import Panel, write_chart
+from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
+from .report import markdown, table
+from .sections import SECTIONS, Bench, limit_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +60,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
-    """Run the benchmark; returns what results.json holds (plus "run_dir")."""
+    """Run the benchmark; returns what results.json holds (plus "run_dir", and "chart":
+    whether chart.png was drawn)."""
     sections = selected_sections(opts.only)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -94,7 +97,14 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     }
     run_dir = _new_run_dir(Path(opts.out))
     _write(run_dir, results)
-    return {**results, "run_dir": str(run_dir)}
+    title = f"AstrAI bench: {size} model, {device}, {opts.dtype}, {results['meta']['time']}"
+    try:
+        write_chart(run_dir / "chart.png", title, chart_panels(b.rows))
+        chart = True
+    except NoMatplotlib as exc:  # the figures are in results.json all the same
+        log(str(exc))
+        chart = False
+    return {**results, "run_dir": str(run_dir), "chart": chart}
 
 
 def _run_section(b: Bench, name: str, log) -> dict:
@@ -118,7 +128,7 @@ def _load_reference(folder: Path, dtype, device, wanted: bool):
         return None, "turned off with --no-reference"
     if not has_transformers():
         return None, "transformers is not installed"
-    from astrai.bench.reference import load_reference
+    from .reference import load_reference
 
     return load_reference(folder, dtype, device), ""
 
@@ -180,11 +190,9 @@ def _commit() -> str | None:
 
 
 def _write(run_dir: Path, results: dict) -> None:
-    rows, meta = results["rows"], results["meta"]
+    rows = results["rows"]
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (run_dir / "results.md").write_text(markdown(rows) + "\n")
-    title = f"AstrAI bench: {meta['size']}, {meta['device']}, {meta['dtype']}, {meta['time']}"
-    write_chart(run_dir / "chart.png", title, chart_panels(rows))
 
 
 def chart_panels(rows: list[dict]) -> list[Panel]:
@@ -196,18 +204,20 @@ def chart_panels(rows: list[dict]) -> list[Panel]:
         if r.get("ratio") is not None
     ]  # fmt: skip
     shares = [
-        (r["name"].removesuffix(", share of roofline"), r["ours"] / 100, _share(r["target"]))
+        (r["name"].removesuffix(", share of roofline"), r["ours"], r["target"])
         for r in rows
         if r["unit"] == "%"
     ]
     return [
-        Panel("ours / reference, tokens per second (1.0 = same speed)", ratios, 1.0, "{:.2f}x"),
-        Panel("decoding, share of the roofline (memory or compute)", shares, 1.0, "{:.0%}"),
-    ]
-
-
-def _share(target: float | None) -> float | None:
-    return None if target is None else target / 100
+        Panel(
+            "Speed against the reference on the same weights and inputs",
+            ratios, 1.0, "same speed (1.0x)", "ours / reference, tokens per second (x)", "{:.2f}x",
+        ),
+        Panel(
+            "Decoding speed against the hardware limit (memory or compute roofline)",
+            shares, 100.0, "the roofline (100 %)", "share of the roofline (%)", "{:.0f} %",
+        ),
+    ]  # fmt: skip
 
 
 def summary(results: dict) -> str:
@@ -222,5 +232,6 @@ def summary(results: dict) -> str:
     for name, state in results["sections"].items():
         if state["status"] != "ok":
             lines.append(f"{name}: {state['status']}")
-    lines.append(f"results: {results['run_dir']}/results.json, results.md, chart.png")
+    files = "results.json, results.md" + (", chart.png" if results.get("chart") else "")
+    lines.append(f"results: {results['run_dir']}/{files}")
     return "\n".join(lines)

@@ -9,9 +9,10 @@ import math
 
 import torch
 
-from astrai.bench.timing import timed
 from astrai.config import ModelConfig
 from astrai.model import param_shapes
+
+from .timing import timed
 
 
 def stream_bandwidth(device: torch.device, n: int = 1 << 25, repeats: int = 5) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astrai.bench.timing import median
+from .timing import median
 
 
 def compare(

@@ -11,18 +11,19 @@ from pathlib import Path
 
 import torch
 
-from astrai.bench import ours, reference
-from astrai.bench.limits import (
+from astrai.config import ModelConfig
+
+from . import ours, reference
+from .limits import (
     decode_bytes_per_token,
     decode_flops_per_token,
     matmul_gflops,
     roofline_tokens_per_s,
     stream_bandwidth,
 )
-from astrai.bench.models import Workload, random_prompts
-from astrai.bench.report import compare, figure
-from astrai.bench.timing import interleave, median, timed
-from astrai.config import ModelConfig
+from .models import Workload, random_prompts
+from .report import compare, figure
+from .timing import interleave, median, timed
 
 THROUGHPUT_TARGETS = {16: 3.0, 64: 5.0}
 TRAIN_HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "max_grad_norm": 1.0}
@@ -303,7 +304,7 @@ def _note_graph_breaks(b: Bench) -> None:
 
 def serve(b: Bench) -> None:
     """N clients streaming at once over HTTP, against the same Engine called directly."""
-    from astrai.bench.serving import latency_summary, serving, stream_load
+    from .serving import latency_summary, serving, stream_load
 
     n, clients, rounds = b.work.new_tokens, b.work.clients, b.work.rounds
     engine = engine_of(b)

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from astrai.bench.models import Workload
 from astrai.config import ModelConfig
+
+from .models import Workload
 
 PAGE_SIZE = 16
 
