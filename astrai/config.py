@@ -300,14 +300,16 @@ class LossConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
+# Every projection of attention and the MLP: the default of [lora] targets and of init_lora.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[lora]: train low-rank adapters instead of every weight (rank 0 = full training)."""
 
     rank: int = 0
     alpha: float = 16.0
-    targets: tuple[str, ...] = (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    )  # fmt: skip
+    targets: tuple[str, ...] = LORA_TARGETS
     seed: int = 0
 
     def __post_init__(self) -> None:

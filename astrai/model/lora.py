@@ -6,9 +6,7 @@ import math
 
 import torch
 
-from astrai.config import ModelConfig
-
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from astrai.config import LORA_TARGETS, ModelConfig
 
 
 def init_lora(
@@ -16,7 +14,7 @@ def init_lora(
     cfg: ModelConfig,
     rank: int = 8,
     alpha: float = 16.0,
-    targets: tuple[str, ...] = DEFAULT_TARGETS,
+    targets: tuple[str, ...] = LORA_TARGETS,
     seed: int = 0,
 ) -> dict:
     """{"scale": alpha / rank, "weights": {key: {"A": [r, in], "B": [out, r]}}}.

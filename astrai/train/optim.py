@@ -89,7 +89,9 @@ def adamw(
 
     fused=True uses torch's fused kernel where the device has one (one pass over memory instead
     of about eight; on CPUs the foreach ops are a loop over tensors, so this is several times
-    faster); it agrees with the foreach path to rounding, not bit for bit.
+    faster); it agrees with the foreach path to rounding, not bit for bit. The kernel is a
+    private torch op (`torch._fused_adamw_`), which may change or vanish between releases:
+    where it is missing the foreach path runs instead (`fused_adamw_available`).
     """
 
     def init(params: Tree) -> Tree:
@@ -101,20 +103,28 @@ def adamw(
         g, m, v = (leaves_like(t, params) for t in (grads, state["m"], state["v"]))
         count = state["count"] + 1
         decays = _mask_leaves(params, mask)
-        if fused and p and p[0].device.type in FUSED_DEVICES:
-            _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
-        else:
-            _decay(p, decays, lr, weight_decay)
-            torch._foreach_lerp_(m, g, 1.0 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, 1.0 - beta2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, (1.0 - beta2**count) ** 0.5)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(p, m, denom, -lr / (1.0 - beta1**count))
+        step = _fused_adamw if fused and p and fused_adamw_available(p[0].device) else _adamw
+        step(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
         return params, {**state, "count": count}
 
     return Optimizer(init, update)
+
+
+def fused_adamw_available(device: torch.device) -> bool:
+    """Whether this torch has the private fused AdamW op and a kernel of it for `device`."""
+    return device.type in FUSED_DEVICES and callable(getattr(torch, "_fused_adamw_", None))
+
+
+def _adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay) -> None:
+    """AdamW in public `torch._foreach_*` ops, in torch.optim.AdamW's order of operations."""
+    _decay(p, decays, lr, weight_decay)
+    torch._foreach_lerp_(m, g, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, 1.0 - beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, (1.0 - beta2**count) ** 0.5)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, m, denom, -lr / (1.0 - beta1**count))
 
 
 def _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay) -> None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astrai.config import ScheduleConfig
-from astrai.train.optim import adamw, decay_mask, lion, sgd
+from astrai.train.optim import adamw, decay_mask, fused_adamw_available, lion, sgd
 from astrai.train.schedules import lr_at
 
 
@@ -81,6 +81,16 @@ def test_fused_adamw_agrees_with_foreach():
     b = _our_run(params, adamw(0.9, 0.99, 1e-8, 0.1, mask, fused=True), 4, LRS)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adamw_without_the_private_op_runs_the_foreach_path(monkeypatch):
+    params, mask = _params(), decay_mask(_params())
+    foreach = _our_run(params, adamw(0.9, 0.99, 1e-8, 0.1, mask), 4, LRS)
+    monkeypatch.delattr(torch, "_fused_adamw_")  # as in a torch release without it
+    assert not fused_adamw_available(torch.device("cpu"))
+    fallback = _our_run(params, adamw(0.9, 0.99, 1e-8, 0.1, mask, fused=True), 4, LRS)
+    # the same public ops as the foreach path (which matches torch.optim above): bit for bit
+    assert all(torch.equal(fallback[k], foreach[k]) for k in params)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
