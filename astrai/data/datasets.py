@@ -134,15 +134,15 @@ def get_example(data: Dataset, i: int) -> dict[str, Any]:
         out = {}
         for name in ("chosen", "rejected"):
             start, end = shard[f"{name}.rows"][j : j + 2]
-            ex = token_example(data.index, shard, name, int(start), int(end), int(end), T)
+            ex = token_example(data.index, shard, name, int(start), int(end), int(end))
             out[f"{name}_ids"], out[f"{name}_labels"] = ex["input_ids"], ex["labels"]
         return out
     if data.index["windows"]:
         start = j * data.stride
         end = min(start + T + 1, len(shard["tokens.ids"]))
-        return token_example(data.index, shard, "tokens", start, min(start + T, end), end, T)
+        return token_example(data.index, shard, "tokens", start, min(start + T, end), end)
     start, end = shard["tokens.rows"][j : j + 2]
-    return token_example(data.index, shard, "tokens", int(start), int(end), int(end), T)
+    return token_example(data.index, shard, "tokens", int(start), int(end), int(end))
 
 
 def token_example(
@@ -152,7 +152,6 @@ def token_example(
     start: int,
     stop: int,
     end: int,
-    T: int,
 ) -> dict[str, np.ndarray]:
     """Inputs are tokens [start, stop); targets may look one further, up to `end`. Labels stop
     at document boundaries: no position is trained to predict the next document's first token."""

@@ -158,13 +158,8 @@ def sgd(
 ) -> Optimizer:
     """SGD with heavy-ball (or Nesterov) momentum: buf <- momentum * buf + g; p <- p - lr * buf."""
 
-    def init(params: Tree) -> Tree:
-        return {"count": 0, "m": tree_map(torch.zeros_like, params)}
-
     def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
-        p = tree_flatten(params)[0]
-        g, buf = leaves_like(grads, params), leaves_like(state["m"], params)
-        _decay(p, _mask_leaves(params, mask), lr, weight_decay)
+        p, g, buf = _decayed_leaves(params, grads, state, mask, lr, weight_decay)
         if momentum:
             torch._foreach_mul_(buf, momentum)
             torch._foreach_add_(buf, g)
@@ -174,7 +169,7 @@ def sgd(
         torch._foreach_add_(p, step, alpha=-lr)
         return params, {**state, "count": state["count"] + 1}
 
-    return Optimizer(init, update)
+    return Optimizer(_init_momentum, update)
 
 
 def lion(
@@ -188,20 +183,29 @@ def lion(
     Its steps have unit size per coordinate, so it wants a learning rate 3-10x below AdamW's.
     """
 
-    def init(params: Tree) -> Tree:
-        return {"count": 0, "m": tree_map(torch.zeros_like, params)}
-
     def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
-        p = tree_flatten(params)[0]
-        g, m = leaves_like(grads, params), leaves_like(state["m"], params)
-        _decay(p, _mask_leaves(params, mask), lr, weight_decay)
+        p, g, m = _decayed_leaves(params, grads, state, mask, lr, weight_decay)
         direction = torch._foreach_lerp(m, g, 1.0 - beta1)
         torch._foreach_sign_(direction)
         torch._foreach_add_(p, direction, alpha=-lr)
         torch._foreach_lerp_(m, g, 1.0 - beta2)
         return params, {**state, "count": state["count"] + 1}
 
-    return Optimizer(init, update)
+    return Optimizer(_init_momentum, update)
+
+
+def _init_momentum(params: Tree) -> Tree:
+    """One moment buffer like the params: SGD's and Lion's state."""
+    return {"count": 0, "m": tree_map(torch.zeros_like, params)}
+
+
+def _decayed_leaves(params: Tree, grads: Tree, state: Tree, mask, lr: float, wd: float):
+    """The leaves of params, grads and the moment buffer, paired by position, after applying
+    the decoupled weight decay to the params."""
+    p = tree_flatten(params)[0]
+    g, m = leaves_like(grads, params), leaves_like(state["m"], params)
+    _decay(p, _mask_leaves(params, mask), lr, wd)
+    return p, g, m
 
 
 def make_optimizer(opt_cfg, trainable: Tree) -> Optimizer:
