@@ -33,7 +33,7 @@ from astrai.model import (
     save_pretrained,
 )
 from astrai.tokenizer import Tokenizer
-from astrai.train import init_train_state, loss_fn, train, train_step
+from astrai.train import TrainState, init_train_state, loss_fn, train, train_step
 
 __all__ = [
     "CheckpointError",
@@ -44,6 +44,7 @@ __all__ = [
     "ServeConfig",
     "Tokenizer",
     "TrainConfig",
+    "TrainState",
     "alloc_pages",
     "decode_step",
     "encode",
