@@ -183,8 +183,10 @@ def test_rewards_rise_on_a_learnable_reward(prompts_dir, tmp_path):
     assert state.step == 24 and state.cursor["position"] + state.cursor["epoch"] > 0
     assert first["step"] == 1
     plot = load_program("plot")  # `just plot` draws the reward curve, one line per function
-    panels = dict(plot.curves(read_metrics(tmp_path / "metrics.jsonl")))
-    assert [name for name, _, _ in panels["reward"]] == [
+    panels = {
+        title: series for title, _, series in plot.curves(read_metrics(tmp_path / "metrics.jsonl"))
+    }
+    assert [name for name, _, _ in panels["GRPO reward"]] == [
         "reward_mean",
         "reward_mean/first_is_seven",
     ]
