@@ -114,8 +114,8 @@ def forward_logits(params, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
 def train_step_fn(params, cfg: ModelConfig, work: Workload, compile: bool, hyper: dict):
     """batch -> loss through init_train_state / train_step (the state is carried inside)."""
     from astrai.config import OptimizerConfig, ScheduleConfig, TrainConfig
+    from astrai.train import init_train_state, train_step
 
-    init_train_state, train_step = _train_api()
     batch = work.train[0]
     train_cfg = TrainConfig(
         model=cfg,
@@ -138,13 +138,3 @@ def train_step_fn(params, cfg: ModelConfig, work: Workload, compile: bool, hyper
         return metrics["loss"]
 
     return step
-
-
-def _train_api():
-    """(init_train_state, train_step) from the package, or from its step module while the
-    package does not export them."""
-    try:
-        from astrai.train import init_train_state, train_step
-    except ImportError:
-        from astrai.train import init_train_state, train_step
-    return init_train_state, train_step
