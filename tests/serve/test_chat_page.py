@@ -209,6 +209,59 @@ def test_html_in_a_reply_is_shown_as_text_and_runs_nothing(open_page):
     assert page.evaluate("navigator.clipboard.readText()") == HTML_A
 
 
+MARKDOWN = """# Title
+
+Some *it* and **bold *both*** with `a<b>`.
+line two
+
+- one
+- two <i>
+
+3. three
+4. four
+
+> quote <img src=x>
+
+[site](https://example.com) [bad](javascript:alert(1)) 2 * 3 * 4
+
+```js
+let x = '<script>';
+```
+
+~~~
+unclosed <b>
+"""
+
+RENDER = """async (text) => {
+    const { renderMarkdown } = await import('/static/markdown.js');
+    const box = document.createElement('div');
+    box.append(renderMarkdown(text, () => {}));
+    return box.innerHTML;
+}"""
+
+
+def test_markdown_becomes_elements_and_html_in_it_stays_text(open_page):
+    html = open_page.page.evaluate(RENDER, MARKDOWN)
+    expected = [
+        "<h3>Title</h3>",
+        "<p>Some <em>it</em> and <strong>bold <em>both</em></strong> with <code>a&lt;b&gt;</code>."
+        "<br>line two</p>",
+        "<ul><li>one</li><li>two &lt;i&gt;</li></ul>",
+        '<ol start="3"><li>three</li><li>four</li></ol>',
+        "<blockquote>quote &lt;img src=x&gt;</blockquote>",
+        '<p><a href="https://example.com" target="_blank" rel="noopener noreferrer">site</a>'
+        " [bad](javascript:alert(1)) 2 * 3 * 4</p>",
+        '<span class="lang">js</span>',
+        "<pre><code>let x = '&lt;script&gt;';</code></pre>",
+        "<pre><code>unclosed &lt;b&gt;</code></pre>",  # a fence still streaming
+    ]
+    for part in expected:
+        assert part in html
+    made = set(re.findall(r"<(\w+)", html))
+    assert made == {*["h3", "p", "em", "strong", "code", "br", "ul", "ol", "li", "blockquote", "a", "div", "span", "button", "pre"]}
+    assert open_page.errors == []
+
+
 def test_chats_survive_a_reload_and_new_chat_starts_empty(open_page):
     page = open_page.page
     page.wait_for_selector(".model.online")

@@ -23,6 +23,7 @@ const state = {
   model: null,
   controller: null, // the AbortController of the reply being streamed
   noticeKind: null,
+  retry: 0, // the timer that looks for an unreachable server again
 };
 
 // ---------------------------------------------------------------- small helpers
@@ -234,6 +235,7 @@ function explain(err) {
   if (err instanceof ApiError) {
     showNotice(err.message, err.kind);
     if (err.kind === "key") openSettings(ui.apiKey);
+    if (err.kind === "unreachable") offline();
   } else {
     showNotice(`Something went wrong: ${err.message}`, "server");
   }
@@ -260,7 +262,7 @@ async function send() {
   setBusy(true);
   try {
     reply.stats = await stream(reply, node, chat.messages.slice(0, -1));
-    clearNotice("busy");
+    clearNotice();
   } catch (err) {
     explain(err);
     if (reply.content === "") {
@@ -290,6 +292,7 @@ function stop() {
 // ---------------------------------------------------------------- server and settings
 
 async function loadModel() {
+  clearTimeout(state.retry);
   try {
     state.model = await modelName(state.apiKey);
     ui.model.textContent = state.model;
@@ -302,9 +305,15 @@ async function loadModel() {
     ui.model.textContent = "not connected";
     ui.model.classList.remove("online");
     explain(err);
-    if (err.kind === "unreachable") setTimeout(loadModel, 3000);
     return false;
   }
+}
+
+/** The server is gone: say so in the top bar and look for it again every few seconds. */
+function offline() {
+  ui.model.classList.remove("online");
+  clearTimeout(state.retry);
+  state.retry = setTimeout(loadModel, 3000);
 }
 
 function openSettings(focus) {

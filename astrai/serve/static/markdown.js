@@ -13,7 +13,7 @@ const NUMBERED = /^\s*(\d{1,9})[.)]\s+(.*)$/;
 const QUOTE = /^\s*>\s?(.*)$/;
 const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
 const INLINE =
-  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|\*(?=[^\s*])([^*]*?[^\s*])\*|\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/;
+  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*(?!\*)|\*(?=[^\s*])([^*]*?[^\s*])\*|\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/;
 
 function el(tag, className, children = []) {
   const node = document.createElement(tag);
@@ -85,6 +85,7 @@ export function renderMarkdown(text, onCopy) {
       const body = [];
       const close = new RegExp(`^\\s*${m[1][0]}{${m[1].length},}\\s*$`);
       for (i += 1; i < src.length && !close.test(src[i]); i += 1) body.push(src[i]);
+      if (i >= src.length) while (body.at(-1) === "") body.pop(); // unclosed: still streaming
       out.append(codeBlock(m[2], body.join("\n"), onCopy));
       i += 1; // past the closing fence
     } else if ((m = HEADING.exec(line))) {
