@@ -258,7 +258,25 @@ def test_markdown_becomes_elements_and_html_in_it_stays_text(open_page):
     for part in expected:
         assert part in html
     made = set(re.findall(r"<(\w+)", html))
-    assert made == {*["h3", "p", "em", "strong", "code", "br", "ul", "ol", "li", "blockquote", "a", "div", "span", "button", "pre"]}
+    assert made == {
+        *[
+            "h3",
+            "p",
+            "em",
+            "strong",
+            "code",
+            "br",
+            "ul",
+            "ol",
+            "li",
+            "blockquote",
+            "a",
+            "div",
+            "span",
+            "button",
+            "pre",
+        ]
+    }
     assert open_page.errors == []
 
 
@@ -304,13 +322,34 @@ def test_with_an_api_key_the_page_asks_for_it_and_then_works(browser, servers):
         locked.close()
 
 
-def test_unreachable_and_overloaded_servers_get_a_clear_message(open_page):
+def test_settings_go_into_the_request_and_failures_get_a_clear_message(open_page):
     page = open_page.page
     page.wait_for_selector(".model.online")
-    page.route("**/v1/chat/completions", lambda route: route.abort())
+    sent = []
+
+    def unreachable(route):
+        sent.append(route.request.post_data_json)
+        route.abort()
+
+    page.route("**/v1/chat/completions", unreachable)
+    open_page.settings(system_prompt="Be brief.", temperature="0.3", top_p="0.9", max_tokens="7")
     open_page.send(HELLO_Q)
     page.wait_for_selector("#notice:not([hidden])")
     assert "Cannot reach the server" in page.text_content("#notice")
+    assert sent == [
+        {
+            "model": NAME,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": HELLO_Q},
+            ],
+            "temperature": 0.3,
+            "top_p": 0.9,
+            "max_tokens": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ]
     assert page.input_value("#prompt") == HELLO_Q  # the text is given back, nothing is lost
     assert page.locator(".msg").count() == 0
 
