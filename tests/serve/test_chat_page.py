@@ -309,8 +309,13 @@ def test_with_an_api_key_the_page_asks_for_it_and_then_works(browser, servers):
         page.wait_for_selector("#notice:not([hidden])")
         assert "API key" in page.text_content("#notice")
         assert page.is_visible("#api-key")
-        page.fill("#api-key", API_KEY)
+        page.fill("#api-key", "sk-wrong")
         page.press("#api-key", "Enter")  # commits the field ("change")
+        page.wait_for_function(
+            "() => document.querySelector('#notice').textContent.includes('refused')"
+        )
+        page.fill("#api-key", API_KEY)
+        page.press("#api-key", "Enter")
         page.wait_for_selector(".model.online")
         assert page.is_hidden("#notice")
         locked.settings(temperature="0")

@@ -14,7 +14,7 @@ function headers(apiKey) {
   return h;
 }
 
-async function failure(response) {
+async function failure(response, sentKey) {
   let detail = "";
   try {
     detail = (await response.json()).error?.message ?? "";
@@ -22,7 +22,10 @@ async function failure(response) {
     // not JSON: the status says enough
   }
   if (response.status === 401 || response.status === 403) {
-    return new ApiError("key", "This server needs an API key. Enter it in Settings; it is kept in this browser only.");
+    const message = sentKey
+      ? "The server refused this API key. Check it in Settings."
+      : "This server needs an API key. Enter it in Settings; it is kept in this browser only.";
+    return new ApiError("key", message);
   }
   if (response.status === 429 || response.status === 529 || response.status === 503) {
     return new ApiError("busy", `The server is overloaded (HTTP ${response.status}). Try again in a moment.`);
@@ -38,7 +41,7 @@ async function call(path, init) {
     if (err.name === "AbortError") throw err;
     throw new ApiError("unreachable", `Cannot reach the server at ${location.origin}. Is \`just serve\` still running?`);
   }
-  if (!response.ok) throw await failure(response);
+  if (!response.ok) throw await failure(response, "authorization" in init.headers);
   return response;
 }
 
