@@ -64,6 +64,7 @@ def page_response(content: bytes, media_type: str) -> Response:
 
 
 def page_routes() -> list[Route]:
+    """`GET /` (the page) and `GET /static/<name>`; both public, as the page holds no secret."""
     files = static_files()
 
     async def index(request: Request) -> Response:
