@@ -129,7 +129,7 @@ def serve(model_dir: Path, port: int) -> None:
     url = f"http://127.0.0.1:{port}"
     print(
         f"""
-Serving {model_dir} on {url} (Ctrl-C stops). Try:
+Serving {model_dir} on {url} (Ctrl-C stops). Chat in your browser at {url}/ or try:
 
   curl {url}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "demo", "messages": [{{"role": "user", "content": "What is 37 + 48?"}}]}}'

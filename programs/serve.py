@@ -194,6 +194,7 @@ def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
         print(f"warning: listening on {serve_cfg.host} without an API key", file=sys.stderr)
     url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(f"Serving `{name}` from {folder} at {url}/v1 (OpenAI) and {url} (Anthropic)")
+    print(f"Chat with it in your browser: {url}/")
     try:
         uvicorn.run(
             app,

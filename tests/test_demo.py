@@ -82,3 +82,16 @@ def test_demo_trains_evaluates_and_serves_an_openai_request(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_demo_prints_the_chat_page_next_to_the_curl_example(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "programs"))
+    import demo
+
+    execs = []
+    monkeypatch.setattr(demo.os, "execv", lambda path, argv: execs.append(argv))
+    demo.serve(Path("runs/demo/model"), 8123)
+    out = capsys.readouterr().out
+    assert "browser at http://127.0.0.1:8123/ " in out and "curl http://127.0.0.1:8123/v1/" in out
+    (argv,) = execs
+    assert argv[1].endswith("serve.py") and argv[argv.index("--port") + 1] == "8123"

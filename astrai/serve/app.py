@@ -29,6 +29,7 @@ from astrai.serve.errors import (
     openai_status,
 )
 from astrai.serve.metrics import Metrics, count_request, render
+from astrai.serve.page import page_routes
 from astrai.serve.schemas_openai import Model, ModelList
 from astrai.serve.state import AppState, check_model, now
 
@@ -185,6 +186,7 @@ def make_app(engine, model_name: str, serve_cfg: ServeConfig | None = None) -> S
             request, APIError(exc.status_code, f"{exc.detail}: {request.url.path}")
         )
 
+    routes += page_routes()  # the chat page at /, which needs no key
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.astrai = state
     return app
