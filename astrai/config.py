@@ -6,7 +6,11 @@ value raises `ConfigError` naming the key and the file it came from.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import itertools
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
@@ -479,37 +483,97 @@ def load_train_config(path: str | Path) -> TrainConfig:
     return cfg
 
 
-# --- serving (docs/serving.md lists every key) ---------------------------------------------
+# --- inference and serving (docs/configuration.md lists every key) -------------------------
+#
+# Fields are documented by the string that follows them (an attribute docstring, which
+# `field_docs` reads): docs/configuration.md and the flags of `just serve` take their text
+# from there, so a setting is described in one place.
 
 
-class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """[serve]: where `just serve` listens, what it allows, and how big its engine is."""
+def field_docs(struct: type) -> dict[str, str]:
+    """{field: its attribute docstring} for a Struct and its bases, read from their source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(struct.__mro__):
+        if klass is msgspec.Struct or not issubclass(klass, msgspec.Struct):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for field, after in itertools.pairwise(body):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[field.target.id] = " ".join(after.value.value.split())
+    return docs
 
-    host: str = "127.0.0.1"  # loopback only unless asked: the API has no rate limits per user
-    port: int = 8000
-    model_name: str | None = None  # None: the model folder's name
-    api_key: str | None = None  # None: ASTRAI_API_KEY when set, else no key is asked for
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_n: int = 16  # choices per request
-    max_top_logprobs: int = 20
-    default_max_tokens: int = 1024  # chat completions without max_tokens (cut to the context)
-    max_waiting: int | None = 256  # queued requests beyond this are answered 429 / 529
-    # the Engine
-    num_pages: int | None = None  # None: enough for max_batch full-length sequences
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine's size and batching: the settings of `Engine` and `init_engine`."""
+
+    num_pages: int | None = None
+    """KV pages in the pool. None: room for `max_batch` full-length sequences, capped at 1 GiB
+    of K/V (but never less than one full-length sequence)."""
     page_size: int = 16
+    """Tokens per KV page; also the unit the prefix cache shares."""
     max_batch: int = 64
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings
+    """Sequences decoded together in one step."""
+    max_seq_len: int | None = None
+    """Prompt + completion limit. None: the model's `max_position_embeddings`."""
     prefill_chunk: int = 512
+    """Prompt tokens prefilled per step (padded batch included), so long prompts advance a chunk
+    at a time while running streams keep decoding."""
+    max_waiting: int = 256
+    """Requests that may wait for a place in the batch; one more is refused (`Overloaded`,
+    HTTP 429 / 529). 0: no limit."""
+    prefix_cache: bool = True
+    """Share the K/V of equal prompt prefixes between requests (the radix prefix cache)."""
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    """Where the weights and the page pool live: cpu, cuda, cuda:1, mps, ..."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Weights and K/V dtype. None: the weights' own dtype (`just serve` loads the checkpoint
+    in float32 then)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "default_max_tokens", "page_size", "max_batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_waiting", "num_pages", "max_seq_len"):
+        _require_positive(self, "page_size", "max_batch", "prefill_chunk")
+        _require_non_negative(self, "max_waiting")
+        for name in ("num_pages", "max_seq_len"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
+
+
+class ServeConfig(EngineConfig, frozen=True, forbid_unknown_fields=True):
+    """[serve]: where `just serve` listens, what it allows, and how big its engine is (the
+    `EngineConfig` keys above)."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback only unless asked: the API has no rate limits per user."""
+    port: int = 8000
+    """TCP port (0: any free port)."""
+    model_name: str | None = None
+    """The name clients use as `model`. None: the model folder's name."""
+    api_key: str | None = None
+    """Key clients must send. None: `ASTRAI_API_KEY` when set, else no key is asked for."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest request body accepted."""
+    max_n: int = 16
+    """Most choices (`n`) per request."""
+    max_top_logprobs: int = 20
+    """Most `top_logprobs` per token."""
+    default_max_tokens: int = 1024
+    """Chat completion length when a request gives no `max_tokens` (cut to the context)."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    """The HTTP server's (uvicorn's) log level."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_positive(self, "max_body_bytes", "max_n", "default_max_tokens")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+def engine_config(config: EngineConfig) -> EngineConfig:
+    """The EngineConfig part of a ServeConfig (or any EngineConfig subclass)."""
+    names = EngineConfig.__struct_fields__
+    return EngineConfig(**{name: getattr(config, name) for name in names})

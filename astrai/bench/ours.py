@@ -56,7 +56,7 @@ def prepared(params, cfg: ModelConfig):
     """The weights laid out for inference, as the Engine prepares them."""
     from astrai.infer import prepare_params
 
-    return prepare_params(params, cfg)
+    return prepare_params(params)
 
 
 @torch.inference_mode()
