@@ -43,7 +43,9 @@ def test_docs_sampling_loop_equals_engine(kind):
 
 def test_docs_continuous_batching_loop_equals_recomputation():
     text = (ROOT / "docs" / "inference.md").read_text()
-    section = re.search(r"## Continuous batching in your own loop.*?```python\n(.*?)```", text, re.S)
+    section = re.search(
+        r"## Continuous batching in your own loop.*?```python\n(.*?)```", text, re.S
+    )
     block = section.group(1)
     assert len(block.strip().splitlines()) <= 25
     namespace: dict = {}
