@@ -34,28 +34,33 @@ class StreamEvent(msgspec.Struct):
 
 
 class Completion(msgspec.Struct):
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    usage: Usage | None
-    logprobs: list[dict] | None = None
+    """A request's events joined: its whole text and tokens, and how it ended."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[dict] | None = None  # None unless the request asked for them
     stop_reason_text: str | None = None
     error: str | None = None
 
 
+def add_event(completion: Completion, event: StreamEvent) -> None:
+    """Join one more of the request's events into its completion, in place."""
+    completion.request_id = event.request_id
+    completion.text += event.text
+    completion.token_ids += event.token_ids
+    if event.logprobs is not None:
+        completion.logprobs = [*(completion.logprobs or []), *event.logprobs]
+    if event.finish_reason is not None:
+        completion.finish_reason, completion.usage = event.finish_reason, event.usage
+        completion.stop_reason_text, completion.error = event.stop_reason_text, event.error
+
+
 def collect(events) -> Completion:
     """Join a request's events into its Completion."""
-    events = list(events)
-    last = events[-1]
-    logprobs = [lp for e in events for lp in (e.logprobs or [])]
-    return Completion(
-        request_id=last.request_id,
-        text="".join(e.text for e in events),
-        token_ids=[t for e in events for t in e.token_ids],
-        finish_reason=last.finish_reason,
-        usage=last.usage,
-        logprobs=logprobs if any(e.logprobs is not None for e in events) else None,
-        stop_reason_text=last.stop_reason_text,
-        error=last.error,
-    )
+    completion = Completion()
+    for event in events:
+        add_event(completion, event)
+    return completion
