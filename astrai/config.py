@@ -667,7 +667,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_chunk: int = 512
     """Prompt tokens prefilled per step (padded batch included), so long prompts advance a chunk
     at a time while running streams keep decoding."""
-    max_waiting: int = 256
+    max_waiting: int = 0
     """Requests that may wait for a place in the batch; one more is refused (`Overloaded`,
     HTTP 429 / 529). 0: no limit."""
     prefix_cache: bool = True
@@ -709,6 +709,9 @@ class ServeConfig(EngineConfig, frozen=True, forbid_unknown_fields=True):
     """Chat completion length when a request gives no `max_tokens` (cut to the context)."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """The HTTP server's (uvicorn's) log level."""
+    max_waiting: int = 256
+    """The engine's `max_waiting`, limited by default: a server answers 429 / 529 rather than
+    queue without end. 0: no limit."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -133,10 +133,17 @@ def meanings(struct: type) -> dict[str, str]:
 
 
 def own_fields(struct: type) -> list:
-    """The fields a Struct adds to the Struct it extends (whose table is shown on its own)."""
+    """The fields a Struct adds to the Struct it extends (whose table is shown on its own),
+    and those whose default it changes."""
     base = struct.__mro__[1]
-    inherited = set(base.__struct_fields__) if issubclass(base, msgspec.Struct) else set()
-    return [f for f in msgspec.structs.fields(struct) if f.name not in inherited]
+    if base is msgspec.Struct:
+        return list(msgspec.structs.fields(struct))
+    inherited = {f.name: f.default for f in msgspec.structs.fields(base)}
+    return [
+        f
+        for f in msgspec.structs.fields(struct)
+        if f.name not in inherited or inherited[f.name] != f.default
+    ]
 
 
 def tables(struct: type, path: str | None) -> list[str]:

@@ -13,12 +13,9 @@ import torch
 
 from astrai.bench.models import Workload
 from astrai.config import ModelConfig
+from astrai.infer.pages import pages_for
 
 PAGE_SIZE = 16
-
-
-def pages_for(tokens: int) -> int:
-    return -(-tokens // PAGE_SIZE)
 
 
 def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype):
@@ -32,10 +29,10 @@ def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dty
         params,
         cfg,
         tokenizer,
-        num_pages=max_batch * pages_for(max_len) + 8,
+        num_pages=max_batch * pages_for(max_len, PAGE_SIZE) + 8,
         page_size=PAGE_SIZE,
         max_batch=max_batch,
-        max_seq_len=pages_for(max_len) * PAGE_SIZE,
+        max_seq_len=pages_for(max_len, PAGE_SIZE) * PAGE_SIZE,
         device=device,
         dtype=dtype,
     )
@@ -67,7 +64,7 @@ def greedy_decode(params, cfg: ModelConfig, prompt: list[int], new_tokens: int) 
 
     weight = params["model.norm.weight"]
     device, dtype = weight.device, weight.dtype
-    n = pages_for(len(prompt) + new_tokens)
+    n = pages_for(len(prompt) + new_tokens, PAGE_SIZE)
     pool = init_pages(cfg, n, PAGE_SIZE, dtype, device)
     pool, pages = alloc_pages(pool, n)
     table = torch.tensor([pages], device=device)
@@ -89,7 +86,7 @@ def paged_prefill_fn(params, cfg: ModelConfig, batch: int, length: int) -> Calla
     from astrai.infer import alloc_pages, init_pages, prefill
 
     weight = params["model.norm.weight"]
-    per_row = pages_for(length)
+    per_row = pages_for(length, PAGE_SIZE)
     pool = init_pages(cfg, batch * per_row, PAGE_SIZE, weight.dtype, weight.device)
     pool, pages = alloc_pages(pool, batch * per_row)
     table = torch.tensor(pages, device=weight.device).view(batch, per_row)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from astrai.config import EngineConfig, ModelConfig
-from astrai.infer.events import Completion, Overloaded, StreamEvent, collect
+from astrai.infer.events import Completion, Events, Overloaded, StreamEvent, collect
 from astrai.infer.paged import prepare_params
 from astrai.infer.sampling import SamplingParams, sampling_params
 from astrai.infer.sequence import Sequence
@@ -66,54 +66,6 @@ class Close:
 
 
 Message = Submit | Cancel | SwapParams | Close
-
-
-class Events:
-    """One request's events, read with `for` (sync) or `async for` (in an event loop): the
-    one iterator of stream and astream. Leaving early (break, close, a cancelled task)
-    cancels the request, which frees its pages."""
-
-    def __init__(self, events: queue.SimpleQueue | asyncio.Queue, cancel: Callable[[], None]):
-        self._events, self._cancel, self._done = events, cancel, False
-
-    def _took(self, event: StreamEvent) -> StreamEvent:
-        self._done = event.finish_reason is not None
-        return event
-
-    def __iter__(self) -> Events:
-        return self
-
-    def __next__(self) -> StreamEvent:
-        if self._done:
-            raise StopIteration
-        try:
-            return self._took(self._events.get())
-        except BaseException:
-            self.close()
-            raise
-
-    def __aiter__(self) -> Events:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            return self._took(await self._events.get())
-        except BaseException:  # the reading task was cancelled
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._cancel()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 @dataclass

@@ -1,6 +1,11 @@
-"""What the Engine hands back: stream events, completions, usage, and its errors."""
+"""What the Engine hands back: stream events, the iterator over them, completions, usage, and
+its errors."""
 
 from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable
 
 import msgspec
 
@@ -64,3 +69,51 @@ def collect(events) -> Completion:
     for event in events:
         add_event(completion, event)
     return completion
+
+
+class Events:
+    """One request's events, read with `for` (sync) or `async for` (in an event loop): the
+    one iterator of stream and astream. Leaving early (break, close, a cancelled task)
+    cancels the request, which frees its pages."""
+
+    def __init__(self, events: queue.SimpleQueue | asyncio.Queue, cancel: Callable[[], None]):
+        self._events, self._cancel, self._done = events, cancel, False
+
+    def _took(self, event: StreamEvent) -> StreamEvent:
+        self._done = event.finish_reason is not None
+        return event
+
+    def __iter__(self) -> Events:
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._took(self._events.get())
+        except BaseException:
+            self.close()
+            raise
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return self._took(await self._events.get())
+        except BaseException:  # the reading task was cancelled
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

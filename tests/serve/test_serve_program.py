@@ -68,7 +68,8 @@ def test_every_setting_has_a_flag_and_zero_waiting_is_no_limit(program, tmp_path
     cfg = program.serve_config(args, environ={})
     assert (cfg.prefix_cache, cfg.dtype, cfg.max_waiting) == (False, "bfloat16", 0)
     assert set(ServeConfig.__struct_fields__) <= set(vars(args))
-    assert engine_config(cfg) == EngineConfig(prefix_cache=False, dtype="bfloat16", max_waiting=0)
+    assert engine_config(cfg) == EngineConfig(prefix_cache=False, dtype="bfloat16")
+    assert engine_config(program.serve_config(program.parse_args([]), {})).max_waiting == 256
     toml = tmp_path / "serve.toml"
     toml.write_text("[serve]\nmax_waiting = 0\nmax_batch = 2\n")
     cfg = program.serve_config(program.parse_args(["--config", str(toml)]), environ={})
