@@ -8,6 +8,7 @@ locks; all torch work of the engine runs on that one thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -28,10 +29,11 @@ from astrai.infer.step import (
     EngineState,
     Request,
     cancel_request,
+    describe,
+    end_all,
     engine_stats,
     engine_step,
     enqueue,
-    fail_all,
     forget_cached_kv,
     has_work,
     init_engine,
@@ -57,7 +59,8 @@ class Cancel:
 @dataclass
 class SwapParams:
     params: dict[str, torch.Tensor]
-    done: threading.Event
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None  # why the swap failed (the old weights stay)
 
 
 @dataclass
@@ -92,10 +95,6 @@ class Engine:
     def __init__(
         self, params, cfg: ModelConfig, tokenizer, config: EngineConfig | None = None, **settings
     ):
-        if isinstance(settings.get("dtype"), torch.dtype):
-            settings["dtype"] = str(settings["dtype"]).removeprefix("torch.")
-        if "device" in settings:
-            settings["device"] = str(settings["device"])
         self._state: EngineState = init_engine(params, cfg, tokenizer, config, **settings)
         self.config = self._state.config
         self.cfg, self.tokenizer, self.max_seq_len = cfg, tokenizer, self.config.max_seq_len
@@ -182,9 +181,11 @@ class Engine:
         cache. Running requests go on with the new weights. Blocks until the swap is done."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        done = threading.Event()
-        self._inbox.put(SwapParams(params, done))
-        done.wait()
+        swap = SwapParams(params)
+        self._inbox.put(swap)
+        swap.done.wait()
+        if swap.error is not None:
+            raise swap.error
 
     def stats(self) -> dict:
         """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals,
@@ -248,24 +249,32 @@ class Engine:
             except queue.Empty:
                 return news
             block, news = False, True
-            match message:
-                case Submit(seq, sink):
-                    with self._lock:
-                        self._queued -= 1
-                    self._sinks[seq.id] = sink
-                    self._state = enqueue(self._state, seq)
-                case Cancel(request_id):
-                    self._state = cancel_request(self._state, request_id)
-                case SwapParams(params, done):
-                    try:
-                        self._params = self._prepare(params)
-                        self._state = forget_cached_kv(self._state)
-                    finally:
-                        self._refresh_snapshot()
-                        done.set()
-                case Close():
-                    self._shut_down()
-                    return None
+            if isinstance(message, Close):
+                self._shut_down()
+                return None
+            try:
+                self._take(message)
+            except Exception as exc:  # a bad message must not stop the engine
+                self._state = end_all(self._state, "error", describe(exc))
+
+    def _take(self, message: Message) -> None:
+        match message:
+            case Submit(seq, sink):
+                with self._lock:
+                    self._queued -= 1
+                self._sinks[seq.id] = sink
+                self._state = enqueue(self._state, seq)
+            case Cancel(request_id):
+                self._state = cancel_request(self._state, request_id)
+            case SwapParams(params, done):
+                try:
+                    self._params = self._prepare(params)
+                    self._state = forget_cached_kv(self._state)
+                except Exception as exc:
+                    message.error = exc
+                finally:
+                    self._refresh_snapshot()
+                    done.set()
 
     def _step(self, news: bool) -> None:
         events: list[StreamEvent] = []
@@ -273,7 +282,8 @@ class Engine:
             try:
                 self._state, events = engine_step(self._state, self._params)
             except Exception as exc:  # never let the thread die with callers waiting
-                self._state, events = engine_step(fail_all(self._state, exc), self._params)
+                self._state = end_all(self._state, "error", describe(exc))
+                self._state, events = engine_step(self._state, self._params)
             tokens = sum(len(e.token_ids) for e in events)
             self._clock.recent.append((time.monotonic(), tokens))
         finals = any(e.finish_reason is not None for e in events)
@@ -290,11 +300,10 @@ class Engine:
             sink = self._sinks.get(event.request_id)
             if event.finish_reason is not None:
                 self._sinks.pop(event.request_id, None)
-            try:  # a reader that went away (e.g. a closed event loop) must not stop the engine
+            # a reader that went away (e.g. a closed event loop) must not stop the engine
+            with contextlib.suppress(Exception):
                 if sink is not None:
                     sink(event)
-            except Exception:
-                pass
 
     def _shut_down(self) -> None:
         """Abort every request, also those whose submission raced with close."""
@@ -309,7 +318,7 @@ class Engine:
                     self._state = enqueue(self._state, seq)
                 case SwapParams(_, done):
                     done.set()
-        self._state = fail_all(self._state, RuntimeError("closed"), reason="abort")
+        self._state = end_all(self._state, "abort")
         self._state, events = engine_step(self._state, self._params)
         self._refresh_snapshot()
         self._dispatch(events)

@@ -112,6 +112,10 @@ def init_engine(
     """An idle engine: an empty page pool and prefix cache, no requests. Settings are the
     fields of EngineConfig, given as `config` and/or keyword arguments (which win). params
     only tell the default dtype; `engine_step` takes the weights to run each time."""
+    if isinstance(settings.get("dtype"), torch.dtype):  # torch.bfloat16 -> "bfloat16"
+        settings["dtype"] = str(settings["dtype"]).removeprefix("torch.")
+    if isinstance(settings.get("device"), torch.device):
+        settings["device"] = str(settings["device"])
     config = msgspec.structs.replace(config or EngineConfig(), **settings)
     config = resolve_config(cfg, EngineConfig(**msgspec.structs.asdict(config)), params)
     pool = init_pages(
@@ -246,13 +250,17 @@ def cancel_request(state: EngineState, request_id: str) -> EngineState:
     return state
 
 
-def fail_all(state: EngineState, exc: BaseException, reason: str = "error") -> EngineState:
-    """End every request with `reason` (error or abort); their events go to the outbox."""
-    error = f"{type(exc).__name__}: {exc}" if reason == "error" else None
+def end_all(state: EngineState, reason: str, error: str | None = None) -> EngineState:
+    """End every request with `reason` ("abort" or "error"); their final events come out of
+    the next `engine_step`."""
     for seq in live_sequences(state):
         state, event = _retire(state, seq, reason, error=error)
         state.outbox.append(event)
     return state
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def forget_cached_kv(state: EngineState) -> EngineState:
@@ -353,7 +361,7 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
     try:
         state.sched, plan = plan_step(state.sched)
     except Exception as exc:  # pages in an unknown state: end everything, keep serving
-        state = fail_all(state, exc)
+        state = end_all(state, "error", describe(exc))
         events, state.outbox = events + state.outbox, []
         return state, events
     if not plan.decode and not plan.prefill:
@@ -371,7 +379,7 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
             else []
         )
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = describe(exc)
         for seq in [*plan.decode, *(seq for seq, _ in plan.prefill)]:
             state, event = _retire(state, seq, "error", error=error)
             events.append(event)
@@ -381,7 +389,7 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
         try:
             state, event = _take_token(state, seq, token, logprob)
         except Exception as exc:
-            state, event = _retire(state, seq, "error", error=f"{type(exc).__name__}: {exc}")
+            state, event = _retire(state, seq, "error", error=describe(exc))
         events.append(event)
     return state, events
 

@@ -350,3 +350,13 @@ def test_requests_submitted_together_share_their_prompt_pages():
         outs = engine.generate([prompt] * 3, max_tokens=4, **GREEDY)
     assert [o.usage.cached_tokens for o in outs] == [0, 16, 16]
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+
+
+def test_a_failed_weight_swap_raises_to_its_caller_and_keeps_the_old_weights():
+    params, cfg = make_model("gqa")
+    prompt = prompts_for(cfg, [7])[0]
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
+        with pytest.raises(AttributeError):
+            engine.update_params({"model.embed_tokens.weight": "not a tensor"})
+        out = engine.generate([prompt], max_tokens=4, **GREEDY)[0]
+    assert out.token_ids == greedy_reference(params, cfg, prompt, 4)
