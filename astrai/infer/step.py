@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from astrai.config import EngineConfig, ModelConfig
+from astrai.config import EngineConfig, ModelConfig, engine_config, from_dict, to_dict
 from astrai.infer.events import PromptTooLong, StreamEvent, Usage
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
@@ -116,8 +116,10 @@ def init_engine(
         settings["dtype"] = str(settings["dtype"]).removeprefix("torch.")
     if isinstance(settings.get("device"), torch.device):
         settings["device"] = str(settings["device"])
-    config = msgspec.structs.replace(config or EngineConfig(), **settings)
-    config = resolve_config(cfg, EngineConfig(**msgspec.structs.asdict(config)), params)
+    given = to_dict(engine_config(config)) if config is not None else {}
+    config = resolve_config(
+        cfg, from_dict(EngineConfig, {**given, **settings}, "engine settings"), params
+    )
     pool = init_pages(
         cfg, config.num_pages, config.page_size, DTYPES[config.dtype], torch.device(config.device)
     )
