@@ -8,15 +8,23 @@ The names below are the stable public surface; everything else is reachable thro
 subpackages (astrai.model, astrai.data, astrai.train, astrai.infer, astrai.serve).
 """
 
-from astrai.config import ConfigError, ModelConfig, ServeConfig, TrainConfig
+from astrai.config import ConfigError, EngineConfig, ModelConfig, ServeConfig, TrainConfig
 from astrai.infer import (
+    Completion,
     Engine,
+    Request,
     SamplingParams,
+    StreamEvent,
+    add_request,
     alloc_pages,
+    cancel_request,
     decode_step,
+    engine_step,
     free_pages,
+    init_engine,
     init_pages,
     prefill,
+    prepare_params,
     sample,
     share_pages,
 )
@@ -37,21 +45,29 @@ from astrai.train import TrainState, init_train_state, loss_fn, train, train_ste
 
 __all__ = [
     "CheckpointError",
+    "Completion",
     "ConfigError",
     "Engine",
+    "EngineConfig",
     "ModelConfig",
+    "Request",
     "SamplingParams",
     "ServeConfig",
+    "StreamEvent",
     "Tokenizer",
     "TrainConfig",
     "TrainState",
+    "add_request",
     "alloc_pages",
+    "cancel_request",
     "decode_step",
     "encode",
+    "engine_step",
     "forward",
     "forward_cached",
     "free_pages",
     "init_cache",
+    "init_engine",
     "init_lora",
     "init_pages",
     "init_params",
@@ -60,6 +76,7 @@ __all__ = [
     "loss_fn",
     "merge_lora",
     "prefill",
+    "prepare_params",
     "sample",
     "save_pretrained",
     "share_pages",

@@ -6,7 +6,11 @@ value raises `ConfigError` naming the key and the file it came from.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import itertools
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,60 +26,111 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """RoPE context extension, as Hugging Face writes it in config.json."""
 
     rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3"] = "default"
+    """`linear` divides positions by `factor`; `dynamic` grows the base with the sequence (NTK);
+    `yarn` blends scaled and unscaled frequencies; `llama3` scales only low frequencies."""
     factor: float = 1.0
+    """How many times longer than the original context."""
     original_max_position_embeddings: int | None = None
+    """Context the model was trained with. Not set: `max_position_embeddings`."""
     # YaRN
     beta_fast: float = 32.0
+    """yarn: frequencies rotating more than this many times keep their value."""
     beta_slow: float = 1.0
+    """yarn: frequencies rotating fewer times are fully scaled."""
     mscale: float | None = None
+    """yarn: attention temperature coefficient (DeepSeek)."""
     mscale_all_dim: float | None = None
+    """yarn: its divisor (DeepSeek). Not set: the plain YaRN factor."""
     attention_factor: float | None = None
+    """yarn: the attention scale itself, overriding both."""
     # llama3
     low_freq_factor: float = 1.0
+    """llama3: wavelengths above original / this are fully scaled."""
     high_freq_factor: float = 4.0
+    """llama3: wavelengths below original / this are kept."""
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The shape of a model. Field names follow Hugging Face config.json."""
 
     vocab_size: int = 32000
+    """Rows of the embedding and the output head; at least the tokenizer's vocabulary."""
     hidden_size: int = 512
+    """Width of the residual stream."""
     num_hidden_layers: int = 8
+    """Decoder layers."""
     num_attention_heads: int = 8
-    num_key_value_heads: int | None = None  # None: same as num_attention_heads
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    """Query heads."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); must divide `num_attention_heads`. Not set: one
+    per query head."""
+    head_dim: int | None = None
+    """Width of each head. Not set: `hidden_size / num_attention_heads`."""
     intermediate_size: int = 1408
+    """Inner width of the SwiGLU MLP of dense layers."""
     rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
+    """RoPE base."""
     rope_scaling: RopeScaling | None = None
+    """RoPE context extension (`[model.rope_scaling]`). Not set: plain RoPE."""
     max_position_embeddings: int = 2048
+    """Context length: the longest prompt + completion the Engine takes by default."""
     tie_word_embeddings: bool = True
+    """The output head reuses the embedding matrix (no `lm_head.weight`)."""
     attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
     use_qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
     use_gated_attention: bool = False
+    """`q_proj` is twice as wide; its second half gates the attention output through a sigmoid."""
     initializer_range: float = 0.02
+    """Standard deviation of fresh weights (output projections are scaled down by depth)."""
     # multi-latent attention (DeepSeek-V2 style)
     attn_type: Literal["gqa", "mla"] = "gqa"
+    """`gqa`: grouped-query attention; `mla`: DeepSeek-V2 multi-head latent attention, whose KV
+    cache holds a compressed latent."""
     kv_lora_rank: int = 64
+    """mla: width of the compressed key/value latent (what the cache stores)."""
     q_lora_rank: int | None = None
+    """mla: width of the compressed query. Not set: queries are projected directly."""
     qk_nope_head_dim: int = 32
+    """mla: per-head query/key width without RoPE."""
     qk_rope_head_dim: int = 16
+    """mla: per-head query/key width with RoPE (one key shared by all heads); even."""
     v_head_dim: int = 32
+    """mla: per-head value width."""
     # mixture of experts (DeepSeek style)
     ffn_type: Literal["mlp", "moe"] = "mlp"
+    """`mlp`: a dense SwiGLU in every layer; `moe`: DeepSeek-style mixture of experts in the layers
+    picked by `first_k_dense_replace` and `decoder_sparse_step`."""
     n_routed_experts: int = 8
+    """moe: routed experts per MoE layer."""
     n_shared_experts: int = 1
+    """moe: experts every token goes through (one SwiGLU of `n_shared_experts *
+    moe_intermediate_size`); 0 = none."""
     num_experts_per_tok: int = 2
+    """moe: routed experts per token (top-k)."""
     moe_intermediate_size: int = 256
+    """moe: inner width of each expert."""
     norm_topk_prob: bool = True
+    """moe: rescale the chosen experts' router weights to sum to 1."""
     decoder_sparse_step: int = 1
+    """moe: layer i is MoE when `i % decoder_sparse_step == 0`."""
     first_k_dense_replace: int = 0
+    """moe: the first k layers stay dense."""
     router_aux_loss_coef: float = 0.01
+    """moe: weight of the load-balancing loss in training (`loss.aux_loss_coef` overrides it)."""
     # "decoder" is causal; "encoder" attends both ways and is used through `encode`
     model_type: Literal["decoder", "encoder"] = "decoder"
+    """`decoder`: a causal language model; `encoder`: attends both ways, for embeddings through
+    `encode`."""
     bos_token_id: int | None = None
+    """Kept in config.json for other tools; the tokenizer decides."""
     eos_token_id: int | list[int] | None = None
+    """Kept in config.json for other tools; generation stops on the tokenizer's stop ids."""
     pad_token_id: int | None = None
+    """Kept in config.json for other tools."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -234,18 +289,31 @@ class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[optimizer]: the update rule, its hyper-parameters and gradient clipping."""
 
     name: Literal["adamw", "sgd", "lion"] = "adamw"
+    """`adamw`, `sgd` (with momentum) or `lion`."""
     lr: float = 3e-4
+    """Peak learning rate (the schedule scales it)."""
     beta1: float = 0.9
+    """adamw, lion: first-moment decay."""
     beta2: float = 0.95
+    """adamw, lion: second-moment decay (lion: of the momentum it keeps)."""
     eps: float = 1e-8
+    """adamw: added to the denominator."""
     weight_decay: float = 0.1
-    momentum: float = 0.9  # sgd
-    nesterov: bool = False  # sgd
+    """Decoupled weight decay, on matrices only unless the `decay_*` keys say."""
+    momentum: float = 0.9
+    """sgd: momentum."""
+    nesterov: bool = False
+    """sgd: Nesterov momentum."""
     decay_norms: bool = False
+    """Also decay norm gains."""
     decay_biases: bool = False
+    """Also decay biases."""
     decay_embeddings: bool = False
-    fused: bool = True  # adamw: torch's fused kernel (CPU, CUDA) instead of foreach
-    max_grad_norm: float = 1.0  # 0: no clipping
+    """Also decay the embedding matrix."""
+    fused: bool = True
+    """adamw: torch's fused kernel instead of the foreach one."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
 
     def __post_init__(self) -> None:
         _require_positive(self, "lr", "eps")
@@ -259,12 +327,20 @@ class ScheduleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[schedule]: the learning rate as a function of the step (peak = optimizer.lr)."""
 
     name: Literal["constant", "cosine", "sgdr", "wsd"] = "cosine"
+    """`constant`; `cosine` down to the floor at the last step; `sgdr` (cosine with warm restarts);
+    `wsd` (warmup, stable, decay)."""
     warmup_steps: int = 0
+    """Linear warmup from `lr / warmup_steps` to `lr`."""
     min_lr_ratio: float = 0.1
-    cycle_steps: int = 0  # sgdr: length of the first cycle; 0 = the whole run
-    cycle_mult: float = 1.0  # sgdr: each cycle this many times longer than the last
-    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
+    """The floor, as a fraction of `lr`."""
+    cycle_steps: int = 0
+    """sgdr: length of the first cycle; 0 = the whole run."""
+    cycle_mult: float = 1.0
+    """sgdr: each cycle this many times longer than the last."""
+    decay_fraction: float = 0.2
+    """wsd: share of the run spent decaying."""
     decay_shape: Literal["linear", "cosine"] = "linear"  # wsd
+    """wsd: shape of the decay."""
 
     def __post_init__(self) -> None:
         _require_non_negative(self, "warmup_steps", "min_lr_ratio", "cycle_steps")
@@ -278,17 +354,30 @@ class LossConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[loss]: options of the seq/sft/dpo/grpo objectives."""
 
     label_smoothing: float = 0.0
-    aux_loss_coef: float | None = None  # MoE balance loss; None = model's router_aux_loss_coef
-    neftune_alpha: float = 0.0  # embedding noise during training (NEFTune); 0 = off
+    """seq, sft: label smoothing of the cross entropy."""
+    aux_loss_coef: float | None = None
+    """MoE load-balancing loss weight. Not set: the model's `router_aux_loss_coef`."""
+    neftune_alpha: float = 0.0
+    """Noise added to the embeddings in training (NEFTune); 0 = off."""
     dpo_beta: float = 0.1
+    """dpo: strength of the pull towards the reference model."""
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo: `sigmoid` (the DPO paper) or `ipo`."""
     dpo_label_smoothing: float = 0.0
+    """dpo: assumed share of flipped preference labels (cDPO)."""
     logp_reduction: Literal["sum", "mean"] = "sum"  # per-sequence log-prob for dpo
+    """dpo: a sequence's log-prob as the sum or the mean over its tokens."""
     grpo_clip_low: float = 0.2
+    """grpo: the ratio is clipped below at 1 - this."""
     grpo_clip_high: float = 0.2
+    """grpo: the ratio is clipped above at 1 + this."""
     grpo_kl_beta: float = 0.04
+    """grpo: weight of the KL penalty towards the reference model; 0 = none (and no reference
+    forward pass)."""
     grpo_averaging: Literal["token", "sequence"] = "token"
-    grpo_scale_rewards: bool = True  # divide advantages by the group's std
+    """grpo: average the loss over all tokens of the batch, or per sequence first."""
+    grpo_scale_rewards: bool = True
+    """grpo: divide advantages by the group's standard deviation."""
 
     def __post_init__(self) -> None:
         _require_non_negative(
@@ -308,9 +397,13 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[lora]: train low-rank adapters instead of every weight (rank 0 = full training)."""
 
     rank: int = 0
+    """Rank of the adapters; 0 = train every weight."""
     alpha: float = 16.0
+    """Adapters are scaled by `alpha / rank`."""
     targets: tuple[str, ...] = LORA_TARGETS
+    """Module names whose weights get adapters."""
     seed: int = 0
+    """Seeds the adapters' initial A matrices."""
 
     def __post_init__(self) -> None:
         _require_non_negative(self, "rank")
@@ -320,10 +413,16 @@ class TrainDataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[data]: where batches come from."""
 
     source: Literal["shards", "synthetic"] = "shards"
+    """`shards`: a prepared data folder; `synthetic`: generated counting sequences, to try a setup
+    without data."""
     train: str = ""  # shards: folder written by `just prepare`
+    """shards: the folder `just prepare` wrote."""
     valid: str = ""  # held-out folder; "" = no validation
-    seq_len: int = 64  # synthetic: tokens per row
+    """A held-out prepared folder; empty = no evaluation."""
+    seq_len: int = 64
+    """synthetic: tokens per row."""
     shuffle: bool = True
+    """Shuffle the training data each epoch."""
 
     def __post_init__(self) -> None:
         _require_positive(self, "seq_len")
@@ -333,15 +432,28 @@ class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[grpo]: online GRPO on a prompt dataset: rounds of rollouts through the Engine with the
     current params, scored by reward functions (the loss options stay in [loss])."""
 
-    group_size: int = 8  # completions per prompt; advantages are normalised within a group
-    prompts_per_round: int = 8  # the rollout batch: prompts per round, over all ranks
-    epochs: int = 1  # passes over each round's completions
+    group_size: int = 8
+    """Completions sampled per prompt; advantages compare the completions of one prompt, so at
+    least 2."""
+    prompts_per_round: int = 8
+    """Prompts per round (the rollout batch), over all ranks. A round is `epochs x
+    prompts_per_round x group_size / batch_size` optimizer steps."""
+    epochs: int = 1
+    """Passes over each round's completions before the next rollout."""
     max_new_tokens: int = 64
+    """Most tokens per completion."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0). The loss's log-probs are those of the untempered
+    model, as are the Engine's."""
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    """Nucleus sampling of the rollouts; 1 = off."""
+    top_k: int = 0
+    """Sample the rollouts from the k most likely tokens; 0 = off."""
     rewards: tuple[str, ...] = ("astrai.train.rewards.exact_match",)  # dotted paths
-    reward_weights: tuple[float, ...] = ()  # one per reward; empty = 1.0 each
+    """Reward functions by dotted path, `(prompts, completions, **record_fields) ->
+    list[float]`."""
+    reward_weights: tuple[float, ...] = ()
+    """Weight of each reward in the total; empty = 1 each."""
 
     def __post_init__(self) -> None:
         _require_positive(self, "prompts_per_round", "epochs", "max_new_tokens", "temperature")
@@ -371,34 +483,68 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A training run: the model, its data, the optimizer and how the loop runs."""
 
     kind: Literal["seq", "sft", "dpo", "grpo"] = "seq"
+    """The objective, and the data it reads: pretraining sequences, supervised fine-tuning,
+    preference pairs (DPO) or RL prompts (GRPO)."""
     out_dir: str = "runs/default"
-    model: ModelConfig | None = None  # a fresh model of this shape ...
+    """Folder of the run: checkpoints, `metrics.jsonl` and the final `model/`."""
+    model: ModelConfig | None = None
+    """A fresh model of this shape (the `[model]` table). Give it or `init_from`, not both."""
     init_from: str = ""  # ... or the weights of a checkpoint folder
+    """Start from the weights of this model folder (ours or Hugging Face) instead of a fresh
+    `[model]`."""
     tokenizer: str = ""  # folder whose tokenizer files are copied into checkpoints
+    """Folder whose tokenizer files are copied into every exported model."""
     seed: int = 0
+    """Seeds the fresh weights, the data order and the training noise (NEFTune)."""
     max_steps: int = 1000
-    batch_size: int = 8  # sequences per optimizer step, summed over ranks and micro-batches
-    grad_accum: int = 1  # micro-batches per optimizer step
+    """Optimizer steps of the whole run; schedules end here."""
+    batch_size: int = 8
+    """Sequences per optimizer step, summed over ranks and micro-batches."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; must divide `batch_size`."""
     precision: Literal["float32", "bfloat16"] = "float32"
+    """`bfloat16` runs the forward pass under autocast; weights and optimizer moments stay
+    float32."""
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    """`"auto"` (CUDA when available, else CPU), `"cpu"`, `"cuda"`, `"cuda:1"`, ..."""
     compile: bool = False
+    """Run the gradient computation through `torch.compile`."""
     activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass: less memory, more compute."""
     grad_engine: Literal["auto", "func", "autograd"] = "auto"  # see docs/training.md
-    max_bad_steps: int = 10  # consecutive non-finite steps before stopping
+    """How gradients are taken: torch.func when compiling, torch.autograd in eager mode (faster
+    there), or the one named."""
+    max_bad_steps: int = 10
+    """Consecutive steps with a non-finite loss or gradient (each skipped) before training
+    stops."""
     log_every: int = 10
-    eval_every: int = 0  # 0 = only at the end (when data.valid is set)
+    """Steps between progress lines and `metrics.jsonl` records."""
+    eval_every: int = 0
+    """Steps between evaluations on `data.valid`; 0 = only at the end."""
     eval_batches: int = 8
-    checkpoint_every: int = 0  # 0 = only at the end
+    """Batches per evaluation."""
+    checkpoint_every: int = 0
+    """Steps between train-state checkpoints; 0 = only at the end."""
     keep_checkpoints: int = 3
+    """Checkpoints kept; older ones are deleted."""
     progress: bool = True
-    bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    """Draw the progress line on stderr."""
+    bucket_mb: float = 25.0
+    """Size of the gradient buckets all-reduced together under data parallelism."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; `auto` = NCCL on CUDA, else Gloo."""
     optimizer: OptimizerConfig = OptimizerConfig()
+    """The `[optimizer]` table."""
     schedule: ScheduleConfig = ScheduleConfig()
+    """The `[schedule]` table."""
     loss: LossConfig = LossConfig()
+    """The `[loss]` table."""
     lora: LoraConfig = LoraConfig()
+    """The `[lora]` table."""
     data: TrainDataConfig = TrainDataConfig()
+    """The `[data]` table."""
     grpo: GrpoConfig = GrpoConfig()
+    """The `[grpo]` table: online rollouts for `kind = "grpo"` on a prompt dataset."""
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -481,37 +627,102 @@ def load_train_config(path: str | Path) -> TrainConfig:
     return cfg
 
 
-# --- serving (docs/serving.md lists every key) ---------------------------------------------
+# --- inference and serving (docs/configuration.md lists every key) -------------------------
+#
+# Fields are documented by the string that follows them (an attribute docstring, which
+# `field_docs` reads): docs/configuration.md and the flags of `just serve` take their text
+# from there, so a setting is described in one place.
 
 
-class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """[serve]: where `just serve` listens, what it allows, and how big its engine is."""
+def field_docs(struct: type) -> dict[str, str]:
+    """{field: its attribute docstring} for a Struct and its bases, read from their source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(struct.__mro__):
+        if klass is msgspec.Struct or not issubclass(klass, msgspec.Struct):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for field, after in itertools.pairwise(body):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[field.target.id] = " ".join(after.value.value.split())
+    return docs
 
-    host: str = "127.0.0.1"  # loopback only unless asked: the API has no rate limits per user
-    port: int = 8000
-    model_name: str | None = None  # None: the model folder's name
-    api_key: str | None = None  # None: ASTRAI_API_KEY when set, else no key is asked for
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_n: int = 16  # choices per request
-    max_top_logprobs: int = 20
-    default_max_tokens: int = 1024  # chat completions without max_tokens (cut to the context)
-    max_waiting: int | None = 256  # queued requests beyond this are answered 429 / 529
-    # the Engine
-    num_pages: int | None = None  # None: enough for max_batch full-length sequences
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine's size and batching: the settings of `Engine` and `init_engine`."""
+
+    num_pages: int | None = None
+    """KV pages in the pool. Not set: room for `max_batch` full-length sequences, capped at 1 GiB
+    of K/V (but never less than one full-length sequence)."""
     page_size: int = 16
+    """Tokens per KV page; also the unit the prefix cache shares."""
     max_batch: int = 64
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings
+    """Sequences decoded together in one step (for `just serve`, also the most inputs of one
+    embeddings request)."""
+    max_seq_len: int | None = None
+    """Prompt + completion limit. Not set: the model's `max_position_embeddings`."""
     prefill_chunk: int = 512
+    """Prompt tokens prefilled per step (padded batch included), so long prompts advance a chunk
+    at a time while running streams keep decoding."""
+    max_waiting: int = 0
+    """Requests that may wait for a place in the batch; one more is refused (`Overloaded`,
+    HTTP 429 / 529). 0: no limit."""
+    prefix_cache: bool = True
+    """Share the K/V of equal prompt prefixes between requests (the radix prefix cache)."""
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    """Where the weights and the page pool live: cpu, cuda, cuda:1, mps, ..."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Weights and K/V dtype. Not set: the weights' own dtype (`just serve` loads the
+    checkpoint in float32 then)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "default_max_tokens", "page_size", "max_batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_waiting", "num_pages", "max_seq_len"):
+        _require_positive(self, "page_size", "max_batch", "prefill_chunk")
+        _require_non_negative(self, "max_waiting")
+        for name in ("num_pages", "max_seq_len"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
+
+
+class ServeConfig(EngineConfig, frozen=True, forbid_unknown_fields=True):
+    """[serve]: where `just serve` listens and what it allows; the engine's keys (those of
+    `EngineConfig`) sit in the same table."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback only unless asked: the API has no rate limits per user."""
+    port: int = 8000
+    """TCP port (0: any free port)."""
+    model_name: str | None = None
+    """The name clients use as `model`. Not set: the model folder's name."""
+    api_key: str | None = None
+    """Key required on every route but `/health`. Not set: `$ASTRAI_API_KEY` when set, else no
+    key is asked for."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Larger request bodies get 413 (4 MiB)."""
+    max_n: int = 16
+    """Most choices (`n`) per request."""
+    max_top_logprobs: int = 20
+    """Most `top_logprobs` per token."""
+    default_max_tokens: int = 1024
+    """Chat completion length when a request gives no `max_tokens` (cut to the context)."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    """The HTTP server's (uvicorn's) log level."""
+    max_waiting: int = 256
+    """The engine's `max_waiting`, limited by default: a server answers 429 / 529 rather than
+    queue without end. 0: no limit."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_positive(self, "max_body_bytes", "max_n", "default_max_tokens")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+def engine_config(config: EngineConfig) -> EngineConfig:
+    """The EngineConfig part of a ServeConfig (or any EngineConfig subclass)."""
+    names = EngineConfig.__struct_fields__
+    return EngineConfig(**{name: getattr(config, name) for name in names})

@@ -4,9 +4,10 @@
     just serve                  # the demo model, runs/demo/model (made by `just demo`)
     just serve --random-tiny    # an untrained tiny model, for a quick look at the API
 
-Settings come from ServeConfig: its defaults, then the [serve] table of --config, then flags.
+Settings come from ServeConfig (the EngineConfig fields and the server's own): its defaults,
+then the [serve] table of --config, then flags, one per field (`--max-batch 8` sets max_batch).
 The API key may also come from the ASTRAI_API_KEY environment variable. docs/serving.md lists
-every endpoint and setting.
+every endpoint; docs/configuration.md every setting.
 """
 
 from __future__ import annotations
@@ -17,30 +18,12 @@ import os
 import shutil
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 import msgspec
 
 DEMO_MODEL = Path("runs/demo/model")
-
-# Flags that set a ServeConfig field of the same name; help text names the default.
-FLAGS = {
-    "host": (str, "address to bind (default 127.0.0.1: this machine only)"),
-    "port": (int, "port (default 8000)"),
-    "model_name": (str, "name clients use as `model` (default: the model folder's name)"),
-    "api_key": (str, "require this key (default: $ASTRAI_API_KEY, else none)"),
-    "max_waiting": (int, "queued requests beyond this get 429 / 529 (default 256)"),
-    "max_batch": (int, "sequences decoded together (default 64)"),
-    "num_pages": (int, "KV pages in the pool (default: enough for max_batch full sequences)"),
-    "page_size": (int, "tokens per KV page (default 16)"),
-    "max_seq_len": (int, "prompt + completion limit (default: the model's)"),
-    "prefill_chunk": (int, "prompt tokens prefilled per step (default 512)"),
-    "max_body_bytes": (int, "largest request body accepted (default 4 MiB)"),
-    "default_max_tokens": (int, "chat completion length when a request gives none (default 1024)"),
-    "device": (str, "cpu, cuda, cuda:1, mps, ... (default cpu)"),
-    "dtype": (str, "float32, bfloat16 or float16 (default float32)"),
-    "log_level": (str, "uvicorn log level (default info)"),
-}
 
 # Enough text for a byte-level BPE to learn a few merges; the weights stay random.
 TINY_TEXT = [
@@ -63,9 +46,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve a random-weight tiny model with a trained tokenizer (made in a temp folder)",
     )
     parser.add_argument("--config", help="TOML file whose [serve] table sets ServeConfig")
-    for name, (kind, help_text) in FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+    add_config_flags(parser)
     return parser.parse_args(argv)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServeConfig field, its help the field's own documentation."""
+    from astrai.config import ServeConfig, field_docs
+
+    docs = field_docs(ServeConfig)
+    for field in msgspec.structs.fields(ServeConfig):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{docs[field.name]} (default: {field.default})"
+        kind = field.type
+        given = [t for t in typing.get_args(kind) if t is not type(None)]
+        if len(given) == 1:  # X | None: a flag gives an X
+            kind = given[0]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
+        else:  # int, str, or one of them or None: msgspec converts and checks the text
+            parser.add_argument(flag, metavar=field.name.upper(), help=help_text)
 
 
 def serve_config(args: argparse.Namespace, environ=os.environ):
@@ -73,7 +75,8 @@ def serve_config(args: argparse.Namespace, environ=os.environ):
     from astrai.config import ServeConfig, from_dict, load_toml, to_dict
 
     base = load_toml(args.config, ServeConfig, "serve") if args.config else ServeConfig()
-    flags = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    names = ServeConfig.__struct_fields__
+    flags = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     merged = {**to_dict(base), **flags}
     if merged.get("api_key") is None and environ.get("ASTRAI_API_KEY"):
         merged["api_key"] = environ["ASTRAI_API_KEY"]
@@ -129,26 +132,17 @@ def default_name(folder: Path, args: argparse.Namespace) -> str:
 def load_engine(folder: Path, serve_cfg):
     """The model in `folder` -> an Engine (or an EncoderModel for an encoder)."""
     import astrai
+    from astrai.config import engine_config
     from astrai.infer import Engine
     from astrai.serve import EncoderModel
     from astrai.tokenizer import Tokenizer
 
-    params, cfg = astrai.load_pretrained(folder, dtype=serve_cfg.dtype, device=serve_cfg.device)
+    dtype = serve_cfg.dtype or "float32"
+    params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=serve_cfg.device)
     tokenizer = Tokenizer.from_pretrained(folder)
     if cfg.model_type == "encoder":
         return EncoderModel(params, cfg, tokenizer, serve_cfg.device)
-    return Engine(
-        params,
-        cfg,
-        tokenizer,
-        num_pages=serve_cfg.num_pages,
-        page_size=serve_cfg.page_size,
-        max_batch=serve_cfg.max_batch,
-        max_seq_len=serve_cfg.max_seq_len,
-        prefill_chunk=serve_cfg.prefill_chunk,
-        max_waiting=serve_cfg.max_waiting,
-        device=serve_cfg.device,
-    )
+    return Engine(params, cfg, tokenizer, engine_config(serve_cfg))
 
 
 def is_loopback(host: str) -> bool:

@@ -33,41 +33,78 @@ class Fields(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The record keys each part of a training example is read from."""
 
     text: str = "text"
+    """text format: the text."""
     messages: str = "messages"
+    """chat format: the list of `{role, content}` messages."""
     prompt: str = "prompt"
+    """prompt_response, preference and prompt formats: a string or a message list."""
     response: str = "response"
+    """prompt_response format: the reply."""
     chosen: str = "chosen"
+    """preference format: the preferred reply."""
     rejected: str = "rejected"
+    """preference format: the other reply."""
     answer: str = "answer"
+    """prompt format: the reference answer, kept for reward functions."""
     tools: str = "tools"
+    """Tool signatures rendered by the chat template, when a record has them."""
 
 
 class DataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How JSONL records become token shards."""
 
     tokenizer: str
+    """Folder holding the tokenizer (`tokenizer.json`)."""
     inputs: list[str]
+    """JSONL files or globs (`**` allowed), read in the order given."""
     output: str = ""
+    """Folder to write; required by `prepare`."""
     kind: Kind = "seq"
-    format: Format | None = None  # None: the kind's natural format
+    """What the data feeds: pretraining sequences, supervised fine-tuning, preference pairs or RL
+    prompts."""
+    format: Format | None = None
+    """How a record becomes text. Not set: seq and sft read `text` and `chat`, dpo `preference`,
+    grpo `prompt`."""
     template: Literal["chat", "plain"] = "chat"
+    """Render prompts and replies through the tokenizer's chat template, or as plain text."""
     fields: Fields = Fields()
-    train_on: str | list[str] | None = None  # None: the kind's default ("all" for text)
+    """The `[fields]` table."""
+    train_on: str | list[str] | None = None
+    """Sections trained on: `all`, `assistant`, `last_assistant` or a list of roles. Not set: `all`
+    for seq, grpo and text; `assistant` for sft and dpo."""
     add_bos: bool = False
+    """text and plain formats: start each record with bos."""
     add_eos: bool = True
+    """text and plain formats: end each record with eos."""
     max_seq_len: int = 2048
+    """Tokens per row: the `T` of every batch."""
     min_chars: int = 0
+    """Drop records with fewer characters."""
     max_chars: int | None = None
+    """Drop records with more characters. Not set: no limit."""
     max_items: int | None = None
+    """Stop after keeping this many records. Not set: all."""
     too_long: Literal["truncate", "drop", "split"] = "truncate"
+    """A record longer than `max_seq_len` is cut, dropped, or split into pieces (not for dpo and
+    grpo)."""
     truncate_side: Literal["right", "left"] = "right"
+    """`right` keeps the beginning, `left` the end."""
     packing: Literal["none", "greedy", "bfd"] = "none"
+    """How documents become rows: one per row, next fit, or best fit decreasing (dpo and grpo need
+    `none`)."""
     positions: Literal["none", "continuous", "document"] = "none"
+    """Store position ids counting along each row, or restarting at each document (which also masks
+    attention across documents)."""
     shard_tokens: int = 1 << 25
+    """About how many tokens one shard holds (2^25)."""
     strict: bool = False
+    """Stop at the first bad record instead of skipping and counting it."""
     workers: int = 1
+    """Processes that parse and tokenise; the output is the same for any number."""
     batch_records: int = 1000
+    """Records per tokeniser call (a worker's unit of work)."""
     progress: bool = True
+    """Draw a progress line on stderr."""
 
     def __post_init__(self) -> None:
         if not self.inputs:

@@ -1,5 +1,6 @@
 """Inference: a paged KV pool, a radix prefix cache, paged prefill / decode_step, sampling,
-continuous batching and the Engine that runs them on a background thread."""
+continuous batching as pure functions over an engine state (step.py) and the Engine that runs
+them on a background thread."""
 
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
@@ -15,6 +16,7 @@ from astrai.infer.pages import (
     free_pages,
     init_pages,
     num_free_pages,
+    pages_for,
     share_pages,
 )
 from astrai.infer.radix import (
@@ -26,26 +28,45 @@ from astrai.infer.radix import (
     match_prefix,
 )
 from astrai.infer.sampling import SamplingParams, sample, sample_requests, token_logprobs
+from astrai.infer.step import (
+    EngineState,
+    Request,
+    add_request,
+    cancel_request,
+    engine_stats,
+    engine_step,
+    forget_cached_kv,
+    init_engine,
+)
 
 __all__ = [
     "Completion",
     "Engine",
+    "EngineState",
     "Overloaded",
     "PrefixCache",
     "PromptTooLong",
+    "Request",
     "SamplingParams",
     "StreamEvent",
     "Usage",
+    "add_request",
     "alloc_pages",
+    "cancel_request",
     "clear_prefix_cache",
     "decode_step",
+    "engine_stats",
+    "engine_step",
     "evict",
+    "forget_cached_kv",
     "free_pages",
+    "init_engine",
     "init_pages",
     "init_prefix_cache",
     "insert_prefix",
     "match_prefix",
     "num_free_pages",
+    "pages_for",
     "prefill",
     "prepare_params",
     "sample",

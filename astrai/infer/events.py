@@ -1,6 +1,11 @@
-"""What the Engine hands back: stream events, completions, usage, and its errors."""
+"""What the Engine hands back: stream events, the iterator over them, completions, usage, and
+its errors."""
 
 from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable
 
 import msgspec
 
@@ -34,28 +39,81 @@ class StreamEvent(msgspec.Struct):
 
 
 class Completion(msgspec.Struct):
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    usage: Usage | None
-    logprobs: list[dict] | None = None
+    """A request's events joined: its whole text and tokens, and how it ended."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[dict] | None = None  # None unless the request asked for them
     stop_reason_text: str | None = None
     error: str | None = None
 
 
+def add_event(completion: Completion, event: StreamEvent) -> None:
+    """Join one more of the request's events into its completion, in place."""
+    completion.request_id = event.request_id
+    completion.text += event.text
+    completion.token_ids += event.token_ids
+    if event.logprobs is not None:
+        completion.logprobs = [*(completion.logprobs or []), *event.logprobs]
+    if event.finish_reason is not None:
+        completion.finish_reason, completion.usage = event.finish_reason, event.usage
+        completion.stop_reason_text, completion.error = event.stop_reason_text, event.error
+
+
 def collect(events) -> Completion:
     """Join a request's events into its Completion."""
-    events = list(events)
-    last = events[-1]
-    logprobs = [lp for e in events for lp in (e.logprobs or [])]
-    return Completion(
-        request_id=last.request_id,
-        text="".join(e.text for e in events),
-        token_ids=[t for e in events for t in e.token_ids],
-        finish_reason=last.finish_reason,
-        usage=last.usage,
-        logprobs=logprobs if any(e.logprobs is not None for e in events) else None,
-        stop_reason_text=last.stop_reason_text,
-        error=last.error,
-    )
+    completion = Completion()
+    for event in events:
+        add_event(completion, event)
+    return completion
+
+
+class Events:
+    """One request's events, read with `for` (sync) or `async for` (in an event loop): the
+    one iterator of stream and astream. Leaving early (break, close, a cancelled task)
+    cancels the request, which frees its pages."""
+
+    def __init__(self, events: queue.SimpleQueue | asyncio.Queue, cancel: Callable[[], None]):
+        self._events, self._cancel, self._done = events, cancel, False
+
+    def _took(self, event: StreamEvent) -> StreamEvent:
+        self._done = event.finish_reason is not None
+        return event
+
+    def __iter__(self) -> Events:
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._took(self._events.get())
+        except BaseException:
+            self.close()
+            raise
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return self._took(await self._events.get())
+        except BaseException:  # the reading task was cancelled
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

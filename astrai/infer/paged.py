@@ -19,7 +19,7 @@ from astrai.model import decode_layers, embed, lm_head
 Params = dict[str, torch.Tensor]
 
 
-def prepare_params(params: Params, cfg: ModelConfig) -> Params:
+def prepare_params(params: Params) -> Params:
     """The same weights laid out for fast decoding: a new params dict, same keys and shapes, in
     which every float32 CPU matrix is a transposed view of [in, out]-contiguous storage.
 

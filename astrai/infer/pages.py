@@ -38,6 +38,11 @@ def init_pages(
     }
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages needed to hold `tokens` tokens."""
+    return -(-tokens // page_size)
+
+
 def page_size_of(pool: Pool) -> int:
     return pool["k"].shape[2]
 

@@ -8,6 +8,9 @@ cached; the last partial page of a sequence is never shared.
 The cache holds one reference on each of its pages (see pages.py). A cached page that a
 running sequence also holds has refs > 1 and is locked; one with refs == 1 is held by the cache
 alone and may be evicted, least recently used first, leaves before their parents.
+
+Every function that changes the cache takes it and returns it (and the pool, when it changes
+references): both are donated, updated in place, and the caller uses only what comes back.
 """
 
 from __future__ import annotations
@@ -46,10 +49,11 @@ def _chunks(cache: PrefixCache, tokens: list[int]):
         yield tuple(tokens[start : start + ps])
 
 
-def match_prefix(cache: PrefixCache, tokens: list[int]) -> list[int]:
-    """Pages of the longest cached chain equal to the first full pages of `tokens`.
+def match_prefix(cache: PrefixCache, tokens: list[int]) -> tuple[PrefixCache, list[int]]:
+    """(cache, pages of the longest cached chain equal to the first full pages of `tokens`).
 
-    The pages are not locked: a caller that keeps them must `share_pages` them at once."""
+    The match marks those pages recently used, so the cache is donated. The pages are not
+    locked: a caller that keeps them must `share_pages` them at once."""
     node, pages, now = cache.root, [], next(cache.clock)
     for chunk in _chunks(cache, tokens):
         node = node.children.get(chunk)
@@ -57,14 +61,16 @@ def match_prefix(cache: PrefixCache, tokens: list[int]) -> list[int]:
             break
         node.last_used = now
         pages.append(node.page)
-    return pages
+    return cache, pages
 
 
-def insert_prefix(cache: PrefixCache, pool: Pool, tokens: list[int], pages: list[int]) -> Pool:
+def insert_prefix(
+    cache: PrefixCache, pool: Pool, tokens: list[int], pages: list[int]
+) -> tuple[PrefixCache, Pool]:
     """Cache the full pages of `tokens`, whose K/V live in `pages` (one page per chunk).
 
     Chunks already cached keep their existing page; the cache takes a reference on every page
-    it adds. The pool is donated."""
+    it adds. Returns (cache, pool); both are donated."""
     node, now, added = cache.root, next(cache.clock), []
     for chunk, page in zip(_chunks(cache, tokens), pages):
         child = node.children.get(chunk)
@@ -77,13 +83,13 @@ def insert_prefix(cache: PrefixCache, pool: Pool, tokens: list[int], pages: list
             added.append(page)
         child.last_used = now
         node = child
-    return share_pages(pool, added) if added else pool
+    return cache, (share_pages(pool, added) if added else pool)
 
 
-def evict(cache: PrefixCache, pool: Pool, n: int) -> tuple[Pool, int]:
+def evict(cache: PrefixCache, pool: Pool, n: int) -> tuple[PrefixCache, Pool, int]:
     """Free up to n pages that only the cache holds, least recently used leaves first.
 
-    Returns (pool, number of pages freed). The pool is donated."""
+    Returns (cache, pool, number of pages freed); cache and pool are donated."""
     refs = pool["refs"]
     heap = [
         (node.last_used, node.page)
@@ -100,15 +106,16 @@ def evict(cache: PrefixCache, pool: Pool, n: int) -> tuple[Pool, int]:
         parent = node.parent
         if parent is not cache.root and not parent.children and int(refs[parent.page]) == 1:
             heapq.heappush(heap, (parent.last_used, parent.page))
-    return (free_pages(pool, freed) if freed else pool), len(freed)
+    return cache, (free_pages(pool, freed) if freed else pool), len(freed)
 
 
-def clear_prefix_cache(cache: PrefixCache, pool: Pool) -> Pool:
-    """Drop every cached page (pages that running sequences hold stay theirs). Pool donated."""
+def clear_prefix_cache(cache: PrefixCache, pool: Pool) -> tuple[PrefixCache, Pool]:
+    """Drop every cached page (pages that running sequences hold stay theirs). Returns
+    (cache, pool); both are donated."""
     pages = list(cache.nodes)
     cache.nodes.clear()
     cache.root.children.clear()
-    return free_pages(pool, pages) if pages else pool
+    return cache, (free_pages(pool, pages) if pages else pool)
 
 
 def num_cached_pages(cache: PrefixCache) -> int:

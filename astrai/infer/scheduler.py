@@ -6,45 +6,36 @@ prompt chunks, within a token budget, for the sequences still prefilling. Long p
 advance a chunk per step while running streams keep decoding. When pages run out, cached pages
 nobody uses are evicted first, then the newest running sequence is preempted: its pages are
 freed and it waits again at the front of the queue, to be recomputed from its tokens later.
+
+The scheduler state holds the page pool and the prefix cache. Every function that changes it
+takes it and returns it, donated: it is updated in place, and the caller goes on with what
+comes back. The sequences it holds are part of it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from astrai.infer.pages import Pool, alloc_pages, free_pages, num_free_pages, share_pages
+from astrai.infer.pages import (
+    Pool,
+    alloc_pages,
+    free_pages,
+    num_free_pages,
+    pages_for,
+    share_pages,
+)
 from astrai.infer.radix import (
     PrefixCache,
+    clear_prefix_cache,
     evict,
     init_prefix_cache,
     insert_prefix,
     match_prefix,
 )
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's tokens and the pages holding their K/V."""
-
-    id: str
-    tokens: list[int]  # prompt, then generated tokens
-    prompt_len: int
-    arrival: int = 0  # admission order; the newest running sequence is preempted first
-    pages: list[int] = field(default_factory=list)
-    computed: int = 0  # leading tokens whose K/V are in `pages`
-    cached_tokens: int = -1  # prompt tokens the prefix cache gave at first admission
-    preemptions: int = 0
-    cacheable: bool = True  # False once its K/V may come from weights since replaced
-    data: Any = None  # whatever the caller keeps with the sequence
-
-    @property
-    def pending(self) -> int:
-        """Tokens still to feed; 1 means the sequence is decoding."""
-        return len(self.tokens) - self.computed
+from astrai.infer.sequence import Sequence
 
 
 @dataclass(eq=False)
@@ -76,12 +67,10 @@ def init_scheduler(
     return Scheduler(pool, cache, page_size, max_batch, prefill_chunk)
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
-def add_sequence(s: Scheduler, seq: Sequence) -> None:
+def add_sequence(s: Scheduler, seq: Sequence) -> Scheduler:
+    """seq waits for its turn at the end of the queue."""
     s.waiting.append(seq)
+    return s
 
 
 def available_pages(s: Scheduler) -> int:
@@ -106,12 +95,14 @@ def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
     )
 
 
-def _admit(s: Scheduler) -> None:
+def _admit(s: Scheduler) -> Scheduler:
     for seq in list(s.waiting):
         if len(s.running) >= s.max_batch:
             break
         # never the whole sequence: the last token must be fed to get the next logits
-        cached = match_prefix(s.cache, seq.tokens[:-1]) if s.cache is not None else []
+        cached = []
+        if s.cache is not None:
+            s.cache, cached = match_prefix(s.cache, seq.tokens[:-1])
         if _same_prefix_in_prefill(s, seq, len(cached)):
             continue
         needed = pages_for(len(seq.tokens), s.page_size) - len(cached)
@@ -129,9 +120,10 @@ def _admit(s: Scheduler) -> None:
             seq.arrival = s.arrivals
         s.running.append(seq)
         s.running.sort(key=lambda q: q.arrival)
+    return s
 
 
-def preempt(s: Scheduler, seq: Sequence) -> None:
+def preempt(s: Scheduler, seq: Sequence) -> Scheduler:
     """Give up a running sequence's pages; it waits at the front to be recomputed."""
     s.running.remove(seq)
     s.pool = free_pages(s.pool, seq.pages)
@@ -139,38 +131,42 @@ def preempt(s: Scheduler, seq: Sequence) -> None:
     seq.preemptions += 1
     s.preemptions += 1
     s.waiting.appendleft(seq)
+    return s
 
 
-def _reserve(s: Scheduler, seq: Sequence, end: int, preempted: list[Sequence]) -> bool:
+def _reserve(s: Scheduler, seq: Sequence, end: int, preempted: list[Sequence]) -> Scheduler:
     """Make seq's pages cover tokens [0, end), evicting and preempting newer sequences as
-    needed. False when seq itself had to be preempted."""
+    needed (each preempted one is added to `preempted`, seq itself possibly among them)."""
     need = pages_for(end, s.page_size) - len(seq.pages)
     while need > 0:
         s.pool, pages = alloc_pages(s.pool, need)
         if pages is not None:
             seq.pages += pages
-            return True
+            return s
         if s.cache is not None:
-            s.pool, freed = evict(s.cache, s.pool, need - num_free_pages(s.pool))
+            s.cache, s.pool, freed = evict(s.cache, s.pool, need - num_free_pages(s.pool))
             if freed:
                 continue
         victim = s.running[-1]
-        preempt(s, victim)
+        s = preempt(s, victim)
         preempted.append(victim)
         if victim is seq:
-            return False
-    return True
+            return s
+    return s
 
 
-def plan_step(s: Scheduler) -> StepPlan:
-    """Decide this step's work and reserve its pages (see the module docstring)."""
-    _admit(s)
+def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
+    """Decide this step's work and reserve its pages (see the module docstring). Returns
+    (scheduler, plan); the scheduler is donated."""
+    s = _admit(s)
     preempted: list[Sequence] = []
     decode = []
     for seq in list(s.running):
         # a sequence preempted earlier in this loop is no longer running
-        if seq.pending == 1 and seq in s.running and _reserve(s, seq, seq.computed + 1, preempted):
-            decode.append(seq)
+        if seq.pending == 1 and seq in s.running:
+            s = _reserve(s, seq, seq.computed + 1, preempted)
+            if seq in s.running:  # not preempted to find its own page
+                decode.append(seq)
     prefill: list[tuple[Sequence, int]] = []
     chunk = 0
     for seq in list(s.running):
@@ -181,27 +177,30 @@ def plan_step(s: Scheduler) -> StepPlan:
         chunk = chunk or n
         if (len(prefill) + 1) * chunk > s.prefill_chunk:
             break
-        if _reserve(s, seq, seq.computed + n, preempted):
+        s = _reserve(s, seq, seq.computed + n, preempted)
+        if seq in s.running:
             prefill.append((seq, n))
+    # a sequence preempted while pages were found for a later one is not in this step
     decode = [seq for seq in decode if seq in s.running]
     prefill = [(seq, n) for seq, n in prefill if seq in s.running]
-    return StepPlan(decode, prefill, preempted)
+    return s, StepPlan(decode, prefill, preempted)
 
 
-def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> None:
+def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> Scheduler:
     """Retire seq: offer its computed full pages to the prefix cache, then drop its pages."""
     if seq in s.running:
         s.running.remove(seq)
     elif seq in s.waiting:
         s.waiting.remove(seq)
     if cache and seq.cacheable and s.cache is not None and seq.pages:
-        s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+        s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
     if seq.pages:
         s.pool = free_pages(s.pool, seq.pages)
     seq.pages = []
+    return s
 
 
-def advance(s: Scheduler, plan: StepPlan) -> None:
+def advance(s: Scheduler, plan: StepPlan) -> Scheduler:
     """Record that the model ran the plan: the fed tokens' K/V are now in the pages. A prompt
     whose last token was just fed is offered to the prefix cache, so requests that arrive
     while it still runs can share its pages."""
@@ -210,4 +209,15 @@ def advance(s: Scheduler, plan: StepPlan) -> None:
         seq.computed += n
         prompt_done = seq.computed - n < seq.prompt_len <= seq.computed
         if prompt_done and seq.cacheable and s.cache is not None:
-            s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+            s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+    return s
+
+
+def drop_prefix_cache(s: Scheduler) -> Scheduler:
+    """The weights changed: drop the prefix cache, and never cache the K/V of the sequences
+    that hold pages now (they mix old and new weights)."""
+    if s.cache is not None:
+        s.cache, s.pool = clear_prefix_cache(s.cache, s.pool)
+    for seq in [*s.running, *s.waiting]:
+        seq.cacheable = False
+    return s

@@ -258,13 +258,8 @@ async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
             if event.finish_reason == "error":
                 yield error_event(event.error or "unknown error")
                 return
-            text, calls = event.text, ()
-            if spec.parse_tools:
-                step = tools.feed(pending, event.text)
-                text, calls, pending = step.text, step.calls, step.pending
-                if event.finish_reason is not None:
-                    last = tools.finish(pending)
-                    text, calls = text + last.text, calls + last.calls
+            step = tools.stream_step(spec.parse_tools, pending, event)
+            text, calls, pending = step.text, step.calls, step.pending
             items = text_events(blocks, text)
             for call in calls:
                 items += call_events(blocks, call)

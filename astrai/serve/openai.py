@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response
 
+from astrai.infer import Completion
 from astrai.serve import sse, tools
 from astrai.serve.chat import chat_prompt, check_token_ids, finite, prompt_ids, token_text
 from astrai.serve.errors import APIError, bad_request, from_decode_error, openai_body
@@ -40,7 +41,7 @@ from astrai.serve.schemas_openai import (
     Usage,
 )
 from astrai.serve.state import AppState, check_generates, check_model, new_id, now, token_budget
-from astrai.serve.streams import Outcome, collect, open_choices
+from astrai.serve.streams import collect, open_choices
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -171,14 +172,14 @@ def chat_logprobs(tokenizer, entries: list[dict] | None, top: int | None):
     return ChoiceLogprobs(content)
 
 
-def raise_if_failed(outcomes: list[Outcome]) -> None:
+def raise_if_failed(outcomes: list[Completion]) -> None:
     for outcome in outcomes:
         if outcome.finish_reason == "error":
             raise APIError(500, f"Generation failed: {outcome.error}")
 
 
 def chat_choice(
-    i: int, outcome: Outcome, tokenizer, parse_tools: bool, prefix: str, top
+    i: int, outcome: Completion, tokenizer, parse_tools: bool, prefix: str, top
 ) -> ChatChoice:
     content, calls = outcome.text, []
     if parse_tools:
@@ -222,13 +223,8 @@ async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[byte
             if event.finish_reason == "error":
                 yield error_event(event.error or "unknown error")
                 return
-            text, calls = event.text, ()
-            if spec.parse_tools:
-                step = tools.feed(pending[i], event.text)
-                text, calls, pending[i] = step.text, step.calls, step.pending
-                if event.finish_reason is not None:
-                    last = tools.finish(pending[i])
-                    text, calls = text + last.text, calls + last.calls
+            step = tools.stream_step(spec.parse_tools, pending[i], event)
+            text, calls, pending[i] = step.text, step.calls, step.pending
             deltas = [
                 ToolCallDelta(calls_made[i] + k, tools.call_id(), FunctionCall(c.name, c.arguments))
                 for k, c in enumerate(calls)

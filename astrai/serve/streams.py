@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 import anyio
-from msgspec import Struct, field
 
-from astrai.infer import Overloaded, PromptTooLong
+from astrai.infer import Completion, Overloaded, PromptTooLong
+from astrai.infer.events import add_event
 from astrai.serve.errors import bad_request, overloaded
 from astrai.serve.metrics import Metrics, count_usage, observe
 
@@ -123,29 +123,9 @@ async def open_choices(engine, requests: list[tuple[list[int], dict]], metrics: 
     return await _started(streams, firsts, metrics, since)
 
 
-class Outcome(Struct):
-    """One choice, collected whole."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason_text: str | None = None
-    usage: Any = None
-    error: str | None = None
-
-
-def add_event(outcome: Outcome, event: Event) -> None:
-    outcome.text += event.text
-    outcome.token_ids += event.token_ids or ()
-    outcome.logprobs += event.logprobs or ()
-    if event.finish_reason is not None:
-        outcome.finish_reason, outcome.usage = event.finish_reason, event.usage
-        outcome.stop_reason_text, outcome.error = event.stop_reason_text, event.error
-
-
-async def collect(choices: Choices, n: int) -> list[Outcome]:
-    outcomes = [Outcome() for _ in range(n)]
+async def collect(choices: Choices, n: int) -> list[Completion]:
+    """Each choice's events joined into its Completion."""
+    outcomes = [Completion() for _ in range(n)]
     async with contextlib.aclosing(choices):
         async for i, event in choices:
             add_event(outcomes[i], event)

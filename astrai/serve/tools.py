@@ -88,6 +88,19 @@ def finish(pending: str) -> Step:
     return Step(pending, (), "")
 
 
+def stream_step(parse_tools: bool, pending: str, event) -> Step:
+    """One engine event of a stream: the text to show and the calls it completed, given what
+    earlier events left held back (`pending`). The final event releases everything held.
+    Without tools the text passes through as it is."""
+    if not parse_tools:
+        return Step(event.text, (), pending)
+    step = feed(pending, event.text)
+    if event.finish_reason is None:
+        return step
+    last = finish(step.pending)
+    return Step(step.text + last.text, step.calls + last.calls, "")
+
+
 def parse(text: str) -> tuple[str, list[ParsedCall]]:
     """Whole output -> (content, calls)."""
     step = feed("", text)

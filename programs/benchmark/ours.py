@@ -12,14 +12,11 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
+from astrai.infer.pages import pages_for
 
 from .models import Workload
 
 PAGE_SIZE = 16
-
-
-def pages_for(tokens: int) -> int:
-    return -(-tokens // PAGE_SIZE)
 
 
 def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype):
@@ -33,10 +30,10 @@ def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dty
         params,
         cfg,
         tokenizer,
-        num_pages=max_batch * pages_for(max_len) + 8,
+        num_pages=max_batch * pages_for(max_len, PAGE_SIZE) + 8,
         page_size=PAGE_SIZE,
         max_batch=max_batch,
-        max_seq_len=pages_for(max_len) * PAGE_SIZE,
+        max_seq_len=pages_for(max_len, PAGE_SIZE) * PAGE_SIZE,
         device=device,
         dtype=dtype,
     )
@@ -57,7 +54,7 @@ def prepared(params, cfg: ModelConfig):
     """The weights laid out for inference, as the Engine prepares them."""
     from astrai.infer import prepare_params
 
-    return prepare_params(params, cfg)
+    return prepare_params(params)
 
 
 @torch.inference_mode()
@@ -68,7 +65,7 @@ def greedy_decode(params, cfg: ModelConfig, prompt: list[int], new_tokens: int) 
 
     weight = params["model.norm.weight"]
     device, dtype = weight.device, weight.dtype
-    n = pages_for(len(prompt) + new_tokens)
+    n = pages_for(len(prompt) + new_tokens, PAGE_SIZE)
     pool = init_pages(cfg, n, PAGE_SIZE, dtype, device)
     pool, pages = alloc_pages(pool, n)
     table = torch.tensor([pages], device=device)
@@ -90,7 +87,7 @@ def paged_prefill_fn(params, cfg: ModelConfig, batch: int, length: int) -> Calla
     from astrai.infer import alloc_pages, init_pages, prefill
 
     weight = params["model.norm.weight"]
-    per_row = pages_for(length)
+    per_row = pages_for(length, PAGE_SIZE)
     pool = init_pages(cfg, batch * per_row, PAGE_SIZE, weight.dtype, weight.device)
     pool, pages = alloc_pages(pool, batch * per_row)
     table = torch.tensor(pages, device=weight.device).view(batch, per_row)

@@ -22,7 +22,7 @@ def serving(engine) -> Iterator[str]:
     from astrai.serve.app import make_app
     from astrai.serve.background import serve_in_background
 
-    app = make_app(engine, MODEL_NAME, ServeConfig(log_level="warning", max_waiting=None))
+    app = make_app(engine, MODEL_NAME, ServeConfig(log_level="warning", max_waiting=0))
     with serve_in_background(app) as url:
         yield url
 

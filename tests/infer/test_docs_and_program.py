@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from infer_models import BASE, make_model
+from infer_models import BASE, greedy_reference, make_model
 
 import astrai as ai
 from astrai.infer import Engine
@@ -39,6 +39,20 @@ def test_docs_sampling_loop_equals_engine(kind):
             assert ours == theirs.token_ids
         greedy = engine.generate([prompt], max_tokens=12, seed=0, temperature=0.0, ignore_eos=True)
         assert generate(params, cfg, prompt, 12, 0, temperature=0.0) == greedy[0].token_ids
+
+
+def test_docs_continuous_batching_loop_equals_recomputation():
+    text = (ROOT / "docs" / "inference.md").read_text()
+    section = re.search(
+        r"## Continuous batching in your own loop.*?```python\n(.*?)```", text, re.S
+    )
+    block = section.group(1)
+    assert len(block.strip().splitlines()) <= 24
+    namespace: dict = {}
+    exec(compile(block, "docs/inference.md", "exec"), namespace)
+    params, cfg, tokens = namespace["params"], namespace["cfg"], namespace["tokens"]
+    assert tokens["greedy"] == greedy_reference(params, cfg, [1, 2, 3, 4], 8)
+    assert 3 <= len(tokens["hot"]) < 50 and len(tokens["top-k"]) == 4
 
 
 def run_program(monkeypatch, *args):

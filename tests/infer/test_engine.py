@@ -12,7 +12,7 @@ import torch
 from infer_models import BASE, CONFIGS, greedy_reference, make_model
 
 import astrai as ai
-import astrai.infer.engine as engine_module
+import astrai.infer.step as engine_module
 from astrai.infer import Engine, Overloaded, PromptTooLong
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -251,9 +251,21 @@ def test_errors_for_people():
             engine.submit([])
         with pytest.raises(ValueError, match="temperature"):
             engine.submit([1], temperature=-1)
-    engine = Engine(params, cfg, None, page_size=4, max_seq_len=64, max_waiting=0)
-    with engine, pytest.raises(Overloaded):
-        engine.submit([1, 2], max_tokens=2)
+    engine = Engine(params, cfg, None, page_size=4, max_seq_len=64, max_batch=1, max_waiting=1)
+    with engine:
+        engine.submit([1, 2], max_tokens=60, **GREEDY)  # runs: the batch has one place
+        while engine.stats()["running"] == 0:
+            time.sleep(0.005)
+        engine.submit([1, 2], max_tokens=2)  # waits for that place
+        with pytest.raises(Overloaded):
+            engine.submit([1, 2], max_tokens=2)
+
+
+def test_max_waiting_zero_is_no_limit():
+    params, cfg = make_model("gqa")
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64, max_batch=1, max_waiting=0) as e:
+        ids = [e.submit([1, 2], max_tokens=2, **GREEDY) for _ in range(300)]
+        assert all(e.result(i).finish_reason == "length" for i in ids)
 
 
 def test_a_crashed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
@@ -338,3 +350,13 @@ def test_requests_submitted_together_share_their_prompt_pages():
         outs = engine.generate([prompt] * 3, max_tokens=4, **GREEDY)
     assert [o.usage.cached_tokens for o in outs] == [0, 16, 16]
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+
+
+def test_a_failed_weight_swap_raises_to_its_caller_and_keeps_the_old_weights():
+    params, cfg = make_model("gqa")
+    prompt = prompts_for(cfg, [7])[0]
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
+        with pytest.raises(AttributeError):
+            engine.update_params({"model.embed_tokens.weight": "not a tensor"})
+        out = engine.generate([prompt], max_tokens=4, **GREEDY)[0]
+    assert out.token_ids == greedy_reference(params, cfg, prompt, 4)

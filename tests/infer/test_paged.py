@@ -89,7 +89,7 @@ def test_prefill_after_cached_prefix_and_per_row_start():
 
 def test_prepared_params_give_the_same_logits():
     params, cfg = make_model("gqa")
-    prepared = prepare_params(params, cfg)
+    prepared = prepare_params(params)
     assert prepared.keys() - params.keys() == {"lm_head.weight"}
     tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(

@@ -72,7 +72,7 @@ class PoolAndCache(RuleBasedStateMachine):
                 lambda t: t[: len(pages) * PAGE_SIZE + extra]
             )
         )
-        self.pool = insert_prefix(self.cache, self.pool, tokens, pages)
+        self.cache, self.pool = insert_prefix(self.cache, self.pool, tokens, pages)
         cached_pages = set(self.chains.values())
         for k, page in enumerate(pages):
             key = tuple(tokens[: (k + 1) * PAGE_SIZE])
@@ -84,7 +84,7 @@ class PoolAndCache(RuleBasedStateMachine):
 
     @rule(target=holders, tokens=tokens_of, lock=st.booleans())
     def lookup(self, tokens, lock):
-        pages = match_prefix(self.cache, tokens)
+        self.cache, pages = match_prefix(self.cache, tokens)
         expected = []
         for k in range(len(tokens) // PAGE_SIZE):
             page = self.chains.get(tuple(tokens[: (k + 1) * PAGE_SIZE]))
@@ -101,7 +101,7 @@ class PoolAndCache(RuleBasedStateMachine):
     def run_evict(self, n):
         before = self._refs()
         cached_before = set(self.chains.values())
-        self.pool, freed = evict(self.cache, self.pool, n)
+        self.cache, self.pool, freed = evict(self.cache, self.pool, n)
         after = self._refs()
         gone = cached_before - set(self.cache.nodes)
         assert len(gone) == freed <= n

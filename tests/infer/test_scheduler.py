@@ -5,13 +5,13 @@ from __future__ import annotations
 import astrai as ai
 from astrai.infer import init_pages, num_free_pages
 from astrai.infer.scheduler import (
-    Sequence,
     add_sequence,
     advance,
     finish_sequence,
     init_scheduler,
     plan_step,
 )
+from astrai.infer.sequence import Sequence
 
 CFG = ai.ModelConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
 
@@ -21,27 +21,34 @@ def scheduler(num_pages=64, page_size=4, max_batch=8, prefill_chunk=16, prefix_c
     return init_scheduler(pool, page_size, max_batch, prefill_chunk, prefix_cache)
 
 
-def run_plan(s, plan, sample=7):
-    """What the engine does after the model ran: advance, and sample where a prompt ended."""
-    advance(s, plan)
+def ran(s, plan, sample=7):
+    """What the engine does after the model ran a plan: advance, and sample where a prompt
+    ended. Returns the scheduler."""
+    s = advance(s, plan)
     for seq in [*plan.decode, *(seq for seq, _ in plan.prefill)]:
         if seq.pending == 0:
             seq.tokens.append(sample)
+    return s
+
+
+def step(s):
+    s, plan = plan_step(s)
+    return ran(s, plan), plan
 
 
 def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
     s = scheduler(prefill_chunk=16)
     short = Sequence("short", [1, 2, 3], 3)
-    add_sequence(s, short)
-    run_plan(s, plan_step(s))  # the short prompt is prefilled and decoding
+    s = add_sequence(s, short)
+    s, _ = step(s)  # the short prompt is prefilled and decoding
     long = Sequence("long", list(range(16)) * 5, 80)
-    add_sequence(s, long)
+    s = add_sequence(s, long)
     steps = 0
     while long.pending > 1 or not long.computed:
-        plan = plan_step(s)
+        s, plan = plan_step(s)
         assert plan.decode == [short]  # one token per step for the running stream
         assert [(seq.id, n) for seq, n in plan.prefill] == [("long", min(16, long.pending))]
-        run_plan(s, plan)
+        s = ran(s, plan)
         steps += 1
     assert steps == 5  # 80 prompt tokens in chunks of 16
 
@@ -49,8 +56,8 @@ def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
 def test_padded_prefill_batch_stays_within_the_budget():
     s = scheduler(prefill_chunk=12, max_batch=8)
     for i in range(6):
-        add_sequence(s, Sequence(f"s{i}", [i] * (3 + i), 3 + i))
-    plan = plan_step(s)
+        s = add_sequence(s, Sequence(f"s{i}", [i] * (3 + i), 3 + i))
+    s, plan = plan_step(s)
     width = max(n for _, n in plan.prefill)
     assert len(plan.prefill) * width <= 12
     assert len(s.running) == 6
@@ -59,8 +66,8 @@ def test_padded_prefill_batch_stays_within_the_budget():
 def test_max_batch_limits_running_sequences():
     s = scheduler(max_batch=2)
     for i in range(4):
-        add_sequence(s, Sequence(f"s{i}", [1, 2], 2))
-    plan_step(s)
+        s = add_sequence(s, Sequence(f"s{i}", [1, 2], 2))
+    s, _ = plan_step(s)
     assert [seq.id for seq in s.running] == ["s0", "s1"]
     assert len(s.waiting) == 2
 
@@ -68,19 +75,18 @@ def test_max_batch_limits_running_sequences():
 def test_out_of_pages_preempts_the_newest_and_frees_its_pages():
     s = scheduler(num_pages=6, page_size=4, prefix_cache=False)
     a, b = Sequence("a", [1] * 8, 8), Sequence("b", [2] * 8, 8)
-    add_sequence(s, a)
-    add_sequence(s, b)
-    run_plan(s, plan_step(s))  # both prefilled: 2 pages each, 2 free
+    s = add_sequence(s, a)
+    s = add_sequence(s, b)
+    s, _ = step(s)  # both prefilled: 2 pages each, 2 free
     for _ in range(12):
-        plan = plan_step(s)
-        run_plan(s, plan)
+        s, plan = step(s)
         if plan.preempted:
             break
     assert plan.preempted == [b]
     assert b.pages == [] and b.computed == 0 and s.waiting[0] is b
     assert b.tokens[:8] == [2] * 8 and len(b.tokens) > 8  # generated tokens are kept
-    finish_sequence(s, a)
-    finish_sequence(s, b)
+    s = finish_sequence(s, a)
+    s = finish_sequence(s, b)
     assert num_free_pages(s.pool) == 6
 
 
@@ -89,11 +95,11 @@ def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
     a, b, c = (Sequence(x, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9) for x in "abc")
     other = Sequence("other", [9, 9, 9, 9, 9, 9], 6)
     for seq in (a, b, other, c):
-        add_sequence(s, seq)
-    run_plan(s, plan_step(s))
+        s = add_sequence(s, seq)
+    s, _ = step(s)
     assert [seq.id for seq in s.running] == ["a", "other"]  # b and c wait, other does not
     while a.computed < a.prompt_len:
-        run_plan(s, plan_step(s))
-    plan_step(s)
+        s, _ = step(s)
+    s, _ = plan_step(s)
     assert b in s.running and c in s.running
     assert b.computed == c.computed == 8  # both reuse a's two full pages

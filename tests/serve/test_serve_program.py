@@ -59,3 +59,18 @@ def test_random_tiny_loads_and_generates(program, tmp_path):
         engine.close()
     assert program.default_name(folder, program.parse_args([])) == "tiny"
     assert program.default_name(Path("runs/demo/model"), program.parse_args([])) == "demo"
+
+
+def test_every_setting_has_a_flag_and_zero_waiting_is_no_limit(program, tmp_path):
+    from astrai.config import EngineConfig, ServeConfig, engine_config
+
+    args = program.parse_args(["--no-prefix-cache", "--dtype", "bfloat16", "--max-waiting", "0"])
+    cfg = program.serve_config(args, environ={})
+    assert (cfg.prefix_cache, cfg.dtype, cfg.max_waiting) == (False, "bfloat16", 0)
+    assert set(ServeConfig.__struct_fields__) <= set(vars(args))
+    assert engine_config(cfg) == EngineConfig(prefix_cache=False, dtype="bfloat16")
+    assert engine_config(program.serve_config(program.parse_args([]), {})).max_waiting == 256
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[serve]\nmax_waiting = 0\nmax_batch = 2\n")
+    cfg = program.serve_config(program.parse_args(["--config", str(toml)]), environ={})
+    assert (cfg.max_waiting, cfg.max_batch) == (0, 2)
