@@ -7,11 +7,11 @@ value raises `ConfigError` naming the key and the file it came from.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import tomllib
 
 
 class ConfigError(ValueError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 from starlette.applications import Starlette
@@ -111,7 +111,7 @@ def json_response(obj, status: int = 200) -> Response:
 
 
 def model_entry(state: AppState) -> Model:
-    created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
+    created_at = datetime.fromtimestamp(state.created, UTC).isoformat()
     return Model(
         state.model_name, state.created, created_at.replace("+00:00", "Z"), state.model_name
     )
