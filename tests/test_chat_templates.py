@@ -103,7 +103,7 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nSunny."},
         {"role": "user", "content": "And tomorrow?"},
     ],
-    "unicode": [{"role": "user", "content": "天气? ☀️ \"quotes\" & <tags> {braces}"}],
+    "unicode": [{"role": "user", "content": '天气? ☀️ "quotes" & <tags> {braces}'}],
     "no-alternation": [USER, {"role": "user", "content": "Hello?"}],
     "tool-without-name": [
         USER,
@@ -148,9 +148,7 @@ def outcome(render) -> tuple[str, str]:
 
 def compare(ours, theirs, messages, tools, **flags) -> tuple[str, str]:
     # each side gets its own copy: a template may not change the caller's messages
-    mine = outcome(
-        lambda: ours.apply_chat_template(copy.deepcopy(messages), tools=tools, **flags)
-    )
+    mine = outcome(lambda: ours.apply_chat_template(copy.deepcopy(messages), tools=tools, **flags))
     reference = outcome(
         lambda: theirs.apply_chat_template(
             copy.deepcopy(messages), tools=tools, tokenize=False, **flags
@@ -176,7 +174,9 @@ def test_published_templates_render_as_transformers_does(backend, path):
                 rendered += kind == "ok"
     # extra template variables reach the template as they do in transformers
     for extra in ({"enable_thinking": False}, {"date_string": "01 Dec 2026"}):
-        compare(ours, theirs, CONVERSATIONS["multi-turn"], None, add_generation_prompt=True, **extra)
+        compare(
+            ours, theirs, CONVERSATIONS["multi-turn"], None, add_generation_prompt=True, **extra
+        )
     assert rendered >= len(CONVERSATIONS)  # most conversations are rendered, not refused
 
 
