@@ -11,11 +11,11 @@ import inspect
 import itertools
 import json
 import textwrap
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import tomllib
 
 
 class ConfigError(ValueError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 import jinja2
 import tokenizers
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -43,15 +46,20 @@ DEFAULT_CHAT_TEMPLATE = (
     ' <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}"
+    "{%- elif message.content %}"
+    "{%- set content = message.content | selectattr('text', 'defined')"
+    " | map(attribute='text') | join('\\n') %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}"
     "{%- if message.role == 'system' %}"
     "{%- if not (tools and loop.first) %}"
-    "{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set fn = call.function if call.function is defined else call %}"
-    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
     "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
     "{%- if fn.arguments is string %}{{- fn.arguments }}"
     "{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
@@ -59,10 +67,10 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>tool\\n<tool_response>\\n' + message.content"
+    "{{- '<|im_start|>tool\\n<tool_response>\\n' + content"
     " + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -80,14 +88,62 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace(), refusing underscore names (a way out of the sandbox), as
+    transformers' is."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
+                f"but got {name!r}."
+            )
+
+
+# While `_TRACK` is true in the render context, {% generation %} blocks come out wrapped in
+# these two private-use characters, which `generation_spans` turns into offsets and removes.
+_TRACK = "astrai_track_generation"
+_GEN_START, _GEN_END = "\ue000", "\ue001"
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class _GenerationTag(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`: marks the text the assistant
+    writes (what `return_assistant_tokens_mask` trains on); renders as its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        track = nodes.Name(_TRACK, "load")
+        return nodes.CallBlock(self.call_method("_mark", [track]), [], [], body).set_lineno(lineno)
+
+    def _mark(self, track, caller):
+        text = caller()
+        return f"{_GEN_START}{text}{_GEN_END}" if track is True else text
+
+
 # The same environment transformers renders chat templates in, so Hugging Face templates render
 # identically here.
 _ENV = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
 )
 _ENV.filters["tojson"] = _tojson
 _ENV.globals["raise_exception"] = _raise_exception
 _ENV.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+_ENV.globals["namespace"] = _Namespace
 
 
 @functools.lru_cache(maxsize=32)
@@ -100,15 +156,27 @@ def _token_name(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _normalize_message(message: dict) -> dict:
-    # Templates concatenate content as a string: join text parts, and None (an assistant turn
-    # holding only tool calls) becomes "".
-    content = message.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):
-        content = "\n".join(p["text"] for p in content if p.get("type", "text") == "text")
-    return {**message, "content": content}
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: dict) -> dict:
+    """A message as transformers hands it to the template: keys holding None dropped (templates
+    test for a missing key, not for None), content as given (a string or a list of parts), and
+    reasoning under each name templates read it by."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def reads_content_parts(template: str) -> bool:
+    """Whether a template loops over a message's content (a list of typed parts, as OpenAI
+    sends it) rather than printing it as one string."""
+    return (
+        re.search(r"for \w+ in (message|msg|m)(\.content|\[['\"]content['\"]\])", template)
+        is not None
+    )
 
 
 class Tokenizer:
@@ -184,9 +252,8 @@ class Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         template = config.get("chat_template")
-        if isinstance(template, list):  # older Hugging Face form: [{"name": ..., "template": ...}]
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default", next(iter(named.values()), None))
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = {t["name"]: t["template"] for t in template}
         if (path / "chat_template.jinja").is_file():  # newer Hugging Face form
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         eos_ids = _read_json(path / "generation_config.json").get("eos_token_id")
@@ -210,7 +277,11 @@ class Tokenizer:
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
             "clean_up_tokenization_spaces": False,
-            "chat_template": self.chat_template,
+            "chat_template": (
+                [{"name": k, "template": v} for k, v in self.chat_template.items()]
+                if isinstance(self.chat_template, dict)
+                else self.chat_template
+            ),
         }
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (path / "tokenizer_config.json").write_text(text, encoding="utf-8")
@@ -270,6 +341,21 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- chat
 
+    def template_for(self, tools: list[dict] | None = None) -> str:
+        """The template to render: `chat_template` itself, or, where it is a dict of named
+        templates, "tool_use" when tools are given and else "default" (as transformers picks)."""
+        named = self.chat_template
+        if isinstance(named, str):
+            return named
+        if tools is not None and "tool_use" in named:
+            return named["tool_use"]
+        if "default" in named:
+            return named["default"]
+        raise ValueError(
+            f"This tokenizer has several chat templates ({', '.join(named)}) and none named "
+            "`default`; choose one with `tokenizer.chat_template = ...`."
+        )
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -277,17 +363,46 @@ class Tokenizer:
         tools: list[dict] | None = None,
         **template_vars: Any,
     ) -> str:
-        """Render a conversation as text. Messages are {"role", "content"} dicts (content a
-        string or a list of {"type": "text", "text": ...} parts); assistant messages may carry
+        """Render a conversation as text, exactly as transformers' `apply_chat_template(...,
+        tokenize=False)` does. Messages are {"role", "content"} dicts (content a string or a
+        list of parts, handed to the template as given); assistant messages may carry
         "tool_calls". Extra keyword arguments (e.g. enable_thinking) go to the template."""
-        return _compile(self.chat_template).render(
-            messages=[_normalize_message(m) for m in messages],
+        return self._render(messages, add_generation_prompt, tools, template_vars)
+
+    def generation_spans(
+        self, messages: list[dict], tools: list[dict] | None = None, **template_vars: Any
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """(rendering, [(start, end), ...]): the conversation rendered without a generation
+        prompt, and the character spans its `{% generation %}` blocks cover (what transformers'
+        `return_assistant_tokens_mask` marks). No spans for a template without the tag."""
+        marked = self._render(messages, False, tools, {**template_vars, _TRACK: True})
+        if _GEN_START in "".join(str(m.get("content", "")) for m in messages):
+            raise ValueError("a message contains U+E000, which marks generation blocks")
+        spans, text, at = [], [], 0
+        for piece in re.split(f"({_GEN_START}|{_GEN_END})", marked):
+            if piece == _GEN_START:
+                start = at
+            elif piece == _GEN_END:
+                spans.append((start, at))
+            else:
+                text.append(piece)
+                at += len(piece)
+        return "".join(text), spans
+
+    def _render(self, messages, add_generation_prompt, tools, template_vars, empty=False) -> str:
+        if not messages and not empty:  # as transformers; chat_segments renders [] to diff
+            raise ValueError("Cannot apply a chat template to an empty conversation.")
+        special = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+        }
+        return _compile(self.template_for(tools)).render(
+            messages=[_template_message(m) for m in messages],
             tools=tools,
+            documents=None,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
-            **template_vars,
+            **{**{k: v for k, v in special.items() if v is not None}, **template_vars},
         )
 
     def chat_segments(self, messages: list[dict], tools=None) -> list[tuple[str, str]]:
@@ -300,12 +415,17 @@ class Tokenizer:
         of other messages keeps their role. Found by rendering prefixes of the conversation and
         diffing, so it works for any template; one that rewrites earlier turns (e.g. drops
         old reasoning) only shifts piece boundaries, and the pieces still add up.
+
+        A template with `{% generation %}` blocks says itself what the assistant writes: then
+        exactly the text of those blocks is "assistant", as in transformers' assistant masks.
         """
+        if not messages:
+            return []
         full = self.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
 
         def boundary(k: int, prompt: bool) -> int:
             try:
-                text = self.apply_chat_template(messages[:k], prompt, tools)
+                text = self._render(messages[:k], prompt, tools, {}, empty=True)
             except Exception:  # some templates refuse an empty or unfinished conversation
                 text = ""
             return _common_prefix_len(text, full)
@@ -330,6 +450,8 @@ class Tokenizer:
                     (full[cut:end], "template"),
                 ]
             start = end
+        if _GENERATION_TAG.search(self.template_for(tools)):
+            pieces = _relabel(pieces, self.generation_spans(messages, tools)[1])
         return [(text, role) for text, role in pieces if text or role == "assistant"]
 
 
@@ -362,6 +484,25 @@ class StreamDecoder:
         delta = self._decode(self._ids)[len(self._decode(self._ids[: self._read])) :]
         self._ids, self._read = [], 0
         return delta
+
+
+def _relabel(pieces: list[tuple[str, str]], spans: list[tuple[int, int]]) -> list:
+    """Pieces cut again at the spans' ends: inside a span "assistant", outside it the piece's
+    own role, or "template" where that was "assistant"."""
+    cuts = sorted({0, *(c for span in spans for c in span)})
+    out, at = [], 0
+    for text, role in pieces:
+        inner = [c - at for c in cuts if at < c < at + len(text)]
+        for a, b in zip([0, *inner], [*inner, len(text)]):
+            inside = any(s <= at + a < e for s, e in spans)
+            out.append(
+                (
+                    text[a:b],
+                    "assistant" if inside else ("template" if role == "assistant" else role),
+                )
+            )
+        at += len(text)
+    return out
 
 
 def _common_prefix_len(a: str, b: str) -> int:

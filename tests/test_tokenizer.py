@@ -351,7 +351,7 @@ message_strategy = st.fixed_dictionaries(
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(message_strategy, max_size=6), st.booleans())
+@given(st.lists(message_strategy, min_size=1, max_size=6), st.booleans())
 def test_chat_segments_any_conversation(messages, with_tools):
     tools = TOOLS if with_tools else None
     _, assistant = check_segments(TOK, messages, tools)

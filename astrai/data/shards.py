@@ -9,6 +9,7 @@ and shape, and is written last: a folder without `index.json` is not a dataset.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -97,6 +98,7 @@ def staged_output(output: str | Path) -> Iterator[Path]:
     if output.exists() and any(output.iterdir()) and not (output / INDEX).exists():
         raise ShardError(f"{output}: exists and is not a prepared dataset; refusing to replace it")
     output.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_stages(output)
     stage = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
@@ -111,6 +113,30 @@ def staged_output(output: str | Path) -> Iterator[Path]:
     os.replace(stage, output)
     _fsync_dir(output.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_abandoned_stages(output: Path) -> list[Path]:
+    """Remove the hidden `.{name}.partial-PID` / `.{name}.old-PID` folders next to `output` that
+    a run killed before it could clean up (SIGKILL, power loss) left behind: those whose
+    process is gone. A running writer's folders stay. Returns what was removed."""
+    removed = []
+    for leftover in output.parent.glob(f".{glob.escape(output.name)}.*-*"):
+        kind, _, pid = leftover.name.rpartition("-")
+        ours = kind in (f".{output.name}.partial", f".{output.name}.old")
+        if ours and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:

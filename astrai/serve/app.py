@@ -7,12 +7,15 @@ client sends can reach the file system: model and tokenizer are loaded before th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -81,6 +84,49 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# Deeper JSON than any request needs (a tool's JSON schema nests a few levels) would make the
+# decoder and the chat template recurse until Python's recursion limit: refuse it first.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in `body` (brackets inside strings do not count)."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
+    steps = np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)
+    steps -= np.isin(brackets, (ord("]"), ord("}")))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def check_json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    if json_depth(body) > limit:
+        raise APIError(400, f"The request body nests JSON more than {limit} levels deep.")
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body must have been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_abandoned(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, or, when the client disconnects first, cancel it: the cancellation reaches
+    the engine streams it waits on, which cancel their requests and free their pages. (A
+    streamed answer returns at once; its stream watches for the disconnect itself.)"""
+    answering = asyncio.ensure_future(answer)
+    watching = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({answering, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not answering.done():
+            answering.cancel()
+        await asyncio.gather(watching, answering, return_exceptions=True)
+    if answering.cancelled():  # nobody is left to read an answer; this one is for the logs
+        raise APIError(499, "The client closed the connection before the answer was ready.")
+    return answering.result()
+
+
 def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False):
     """POST handlers receive the body bytes, GET handlers the request."""
 
@@ -90,7 +136,8 @@ def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False
                 authorize(request, state.serve_cfg.api_key)
             if request.method == "POST":
                 body = await read_body(request, state.serve_cfg.max_body_bytes)
-                response = await handler(state, body)
+                check_json_depth(body)
+                response = await unless_abandoned(request, handler(state, body))
             else:
                 response = await handler(state, request)
         except APIError as err:
@@ -112,7 +159,7 @@ def json_response(obj, status: int = 200) -> Response:
 
 
 def model_entry(state: AppState) -> Model:
-    created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
+    created_at = datetime.fromtimestamp(state.created, UTC).isoformat()
     return Model(
         state.model_name, state.created, created_at.replace("+00:00", "Z"), state.model_name
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jinja2
 
 from astrai.serve.errors import bad_request
+from astrai.tokenizer import reads_content_parts
 
 # OpenAI writes -inf logprobs as this number; JSON has no infinity.
 MIN_LOGPROB = -9999.0
@@ -17,11 +18,23 @@ def chat_prompt(
 ) -> list[int]:
     """Render and encode; `prefix` starts the answer (see tools.forced_prefix)."""
     try:
+        if not reads_content_parts(tokenizer.template_for(tools)):
+            messages = [joined_parts(m) for m in messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    except (jinja2.TemplateError, TypeError, KeyError) as exc:
+    except (jinja2.TemplateError, TypeError, KeyError, ValueError) as exc:
         # e.g. a Hugging Face template that insists on alternating roles
         raise bad_request(f"The chat template refused these messages: {exc}", "messages") from None
     return tokenizer.encode(text + prefix)
+
+
+def joined_parts(message: dict) -> dict:
+    """A message whose content is a list of text parts, with the texts joined by newlines:
+    what a template that prints content as one string needs (OpenAI clients send either)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = [p["text"] for p in content if p.get("type", "text") == "text"]
+    return {**message, "content": "\n".join(texts)}
 
 
 def token_text(tokenizer, token_id: int) -> str:

@@ -12,6 +12,10 @@ from msgspec import Meta, Struct
 
 # ---------------------------------------------------------------- requests
 
+# Counts beyond any vocabulary or context are refused, as in the OpenAI schemas: no integer too
+# large for torch's 64 bits reaches the engine.
+MAX_COUNT = 2**31 - 1
+
 
 class TextBlock(Struct, tag_field="type", tag="text", omit_defaults=True):
     text: str
@@ -37,7 +41,7 @@ Block = TextBlock | ToolUseBlock | ToolResultBlock
 
 class Message(Struct):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | Annotated[list[Block], Meta(min_length=1)]  # as Anthropic: no empty list
 
 
 class ToolDef(Struct, kw_only=True):
@@ -71,12 +75,12 @@ ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 class MessagesRequest(Struct, kw_only=True):
     model: str
     messages: Annotated[list[Message], Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1)]
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_COUNT)]
     system: str | list[TextBlock] | None = None
     stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=MAX_COUNT)] | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
     tools: list[ToolDef] | None = None

@@ -13,7 +13,11 @@ from msgspec import Meta, Struct
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+# Counts (tokens, choices, top-k) beyond any vocabulary or context are refused here, so that no
+# integer too large for torch's 64 bits reaches the engine.
+MAX_COUNT = 2**31 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 Stop = str | Annotated[list[str], Meta(max_length=16)] | None
 
 
@@ -41,6 +45,11 @@ class ChatMessage(Struct, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    def __post_init__(self):
+        # as OpenAI: only an assistant turn that calls tools may leave its content out
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs `content`")
 
 
 class FunctionDef(Struct, omit_defaults=True):
@@ -77,7 +86,7 @@ class SamplingFields(Struct, kw_only=True):
     model: str
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None  # beyond OpenAI, as vLLM has it
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_COUNT)] | None = None  # beyond OpenAI, as vLLM has it
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     max_tokens: PositiveInt | None = None
@@ -96,7 +105,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0)] | None = None
+    top_logprobs: Count | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -109,7 +118,7 @@ Prompt = str | list[str | int | list[int]]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
-    logprobs: Annotated[int, Meta(ge=0)] | None = None  # the legacy API: a count of alternatives
+    logprobs: Count | None = None  # the legacy API: a count of alternatives
     echo: bool = False
     suffix: None = None  # fill-in-the-middle is not supported; any value is a 400
 

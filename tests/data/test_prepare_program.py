@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import runpy
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,3 +55,30 @@ def test_prepare_writes_shards_and_reports_errors(
 def test_help(prepare_main):
     code, _ = prepare_main("--help")
     assert code == 0
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from astrai.data.shards import staged_output
+with staged_output(sys.argv[1]) as stage:
+    (stage / "00000.tokens.ids.bin").write_bytes(b"half a shard")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_run_leaves_nothing_behind_after_the_next(
+    prepare_main, tok_dir, tmp_path, write_jsonl, chat
+):
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(out)], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    left = [p.name for p in tmp_path.iterdir()]
+    assert any(name.startswith(".out.partial-") for name in left), left  # the crash's debris
+
+    write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(4)])
+    toml = tmp_path / "data.toml"
+    toml.write_text(f'tokenizer = "{tok_dir}"\ninputs = ["a.jsonl"]\noutput = "out"\n')
+    code, err = prepare_main(str(toml), "--quiet")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "data.toml", "out"]
+    assert (out / "index.json").is_file()

@@ -6,6 +6,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
+from numerics import assert_close
 
 from astrai.infer import SamplingParams, sample, token_logprobs
 from astrai.infer.sampling import sampling_params
@@ -39,6 +40,8 @@ def test_sampling_follows_the_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(4000, 1)
     ids = sample(logits, torch.Generator().manual_seed(0))
     freq = torch.bincount(ids, minlength=3).float() / len(ids)
+    # Sampling noise, not rounding: 4000 seeded draws have a standard error of at most
+    # sqrt(0.25 / 4000) = 0.008 per frequency; 0.03 is almost four of them.
     torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.03, rtol=0)
 
 
@@ -87,9 +90,10 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     ids = logits.argmax(-1)
     chosen, top_ids, top_lp = token_logprobs(logits, ids, top_n=3)
     expected = logits.log_softmax(-1)
-    torch.testing.assert_close(chosen, expected.gather(1, ids[:, None])[:, 0])
+    # log_softmax sums exponentials over the vocabulary of 50
+    assert_close(chosen, expected.gather(1, ids[:, None])[:, 0], 50)
     assert torch.equal(top_ids[:, 0], ids)
-    torch.testing.assert_close(top_lp, expected.topk(3).values)
+    assert_close(top_lp, expected.topk(3).values, 50)
 
 
 def test_sampling_params_validate():

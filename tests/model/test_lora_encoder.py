@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from numerics import assert_close, forward_roundings
 
 from astrai import ModelConfig, encode, forward, init_lora, init_params, merge_lora
 
@@ -13,9 +14,8 @@ def test_lora_with_zero_b_equals_the_base_model():
     params = init_params(CFG, seed=0)
     lora = init_lora(params, CFG, rank=4, alpha=8)
     tokens = torch.randint(0, 50, (2, 6))
-    torch.testing.assert_close(
-        forward(params, CFG, tokens, lora=lora), forward(params, CFG, tokens)
-    )
+    # the adapters add x @ A @ B = exact zeros to outputs of the same kernels
+    assert torch.equal(forward(params, CFG, tokens, lora=lora), forward(params, CFG, tokens))
 
 
 def test_merged_lora_equals_unmerged():
@@ -27,7 +27,8 @@ def test_merged_lora_equals_unmerged():
     unmerged = forward(params, CFG, tokens, lora=lora)
     assert not torch.allclose(unmerged, forward(params, CFG, tokens))
     merged = forward(merge_lora(params, lora), CFG, tokens)
-    torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=1e-5)
+    # merging sums W + s * B @ A (rank 4) before the products instead of after them
+    assert_close(merged, unmerged, forward_roundings(CFG, 6) + 4)
 
 
 def test_lora_rejects_targets_that_match_nothing():
@@ -47,8 +48,8 @@ def test_encoder_embeddings_ignore_padding_and_are_normalised(pooling):
     mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0]])
     a = encode(params, ENCODER, short, pooling=pooling)
     b = encode(params, ENCODER, padded, mask, pooling=pooling)
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(a.norm(dim=-1), torch.ones(1))
+    assert_close(a, b, forward_roundings(ENCODER, 7))  # padding changes attention's sums
+    assert_close(a.norm(dim=-1), torch.ones(1), 2 * 32)  # normalised and re-measured over 32
 
 
 def test_encoder_attends_both_ways():

@@ -1,16 +1,28 @@
-"""Whatever a client sends, the answer is a success or a 4xx in the API's format, never a 500."""
+"""Whatever a client sends, the answer is a success or a 4xx in the API's format, never a 500;
+a body the schema forbids is never a 200; and nothing is left running or holding pages."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import httpx
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schema_fuzz import invalid, risky, valid
 from tiny_server import MODEL, engine_for, serving, wait_until_idle
 
 from astrai.config import ServeConfig
+from astrai.serve.schemas_anthropic import MessageResponse, MessagesRequest
+from astrai.serve.schemas_openai import (
+    ChatCompletion,
+    ChatRequest,
+    CompletionRequest,
+    TextCompletion,
+    TextPart,
+)
 
 SETTINGS = settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -160,7 +172,11 @@ def post(http: httpx.Client, path: str, body) -> httpx.Response:
     )
 
 
+SENT: Counter = Counter()  # requests sent per kind of body, reported by the last test
+
+
 def check(response: httpx.Response, anthropic: bool) -> None:
+    SENT["total"] += 1
     assert response.status_code < 500, response.text
     if response.status_code == 200:
         return
@@ -201,3 +217,150 @@ def test_embeddings_on_a_decoder_and_no_pages_left(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     stats = wait_until_idle(engine)
     assert stats["pages_used"] == 0 and stats["requests_failed"] == 0
+
+
+# ---------------------------------------------------------------- bodies drawn from the schemas
+
+# Fields the server checks beyond the schema, steered so that most valid bodies succeed.
+small = st.integers(1, 4)
+OPENAI_STEERING = {
+    "model": st.just(MODEL),
+    "max_tokens": small,
+    "max_completion_tokens": small,
+    "n": st.integers(1, 3),
+    "top_logprobs": st.integers(0, 5),
+    "logit_bias": st.dictionaries(st.integers(0, 399).map(str), st.floats(-100, 100), max_size=2),
+    # a message's content may be left out only by an assistant turn that calls tools
+    "content": valid(str | list[TextPart]),
+}
+ANTHROPIC_STEERING = {"model": st.just(MODEL), "max_tokens": small}
+# (path, request schema, response schema, steering, always-given fields, anthropic?)
+ENDPOINTS = {
+    "chat": ("/v1/chat/completions", ChatRequest, ChatCompletion, OPENAI_STEERING, {"content"}),
+    "completions": ("/v1/completions", CompletionRequest, TextCompletion, OPENAI_STEERING, ()),
+    "messages": ("/v1/messages", MessagesRequest, MessageResponse, ANTHROPIC_STEERING, ()),
+}
+FUZZ = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def check_answer(response: httpx.Response, endpoint: str, body) -> None:
+    """A 4xx in the API's own format, or a 200 whose body is a valid answer."""
+    anthropic = endpoint == "messages"
+    check(response, anthropic)
+    if response.status_code != 200:
+        return
+    SENT["200"] += 1
+    if isinstance(body, dict) and body.get("stream") is True:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        if anthropic:  # event lines name each event; a failure would be `event: error`
+            assert "event: error" not in response.text and "event: message_stop" in response.text
+        else:  # a failure would be a data event holding {"error": ...}
+            assert not any(e.startswith('data: {"error"') for e in events), response.text
+            assert events[-1] == "data: [DONE]"
+    else:
+        msgspec.json.decode(response.content, type=ENDPOINTS[endpoint][2])
+
+
+def fuzz_post(http: httpx.Client, endpoint: str, body) -> httpx.Response:
+    path = ENDPOINTS[endpoint][0]
+    headers = {"anthropic-version": "2023-06-01"} if endpoint == "messages" else {}
+    return http.post(path, content=json.dumps(body).encode(), headers=headers)
+
+
+def strategy(make, endpoint: str):
+    _, schema, _, steering, always = ENDPOINTS[endpoint]
+    return make(schema, steering, frozenset(always))
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_valid_bodies_from_the_schema(server, endpoint):
+    @FUZZ
+    @given(body=strategy(valid, endpoint))
+    def run(body):
+        SENT["valid"] += 1
+        check_answer(fuzz_post(server[0], endpoint, body), endpoint, body)
+
+    run()
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_bodies_the_schema_forbids_are_refused(server, endpoint):
+    @settings(FUZZ, max_examples=60)
+    @given(broken=strategy(invalid, endpoint))
+    def run(broken):
+        body, what = broken
+        SENT["invalid"] += 1
+        response = fuzz_post(server[0], endpoint, body)
+        check(response, endpoint == "messages")
+        assert 400 <= response.status_code < 500, (what, response.text)
+
+    run()
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_huge_values_are_answered_or_refused(server, endpoint):
+    @settings(FUZZ, max_examples=25)
+    @given(changed=strategy(risky, endpoint))
+    def run(changed):
+        body, _ = changed
+        SENT["huge"] += 1
+        check_answer(fuzz_post(server[0], endpoint, body), endpoint, body)
+
+    run()
+
+
+DEEP = "DEEP"  # stands for 5000 nested arrays: more than json.dumps (or msgspec) can recurse
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": [USER], "extra": DEEP}, None),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [USER],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}],
+            },
+            None,
+        ),
+        (
+            "/v1/messages",
+            {"model": MODEL, "max_tokens": 4, "messages": [USER], "metadata": DEEP},
+            None,
+        ),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "messages[0]"),
+        (
+            "/v1/messages",
+            {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": []}]},
+            "messages[0].content",
+        ),
+    ],
+    ids=["deep-extra", "deep-tool-parameters", "deep-metadata", "no-content", "empty-content"],
+)
+def test_deep_nesting_and_missing_content_are_400(server, path, body, param):
+    raw = json.dumps(body).replace(f'"{DEEP}"', "[" * 5000 + "]" * 5000)
+    response = server[0].post(
+        path, content=raw.encode(), headers={"content-type": "application/json"}
+    )
+    check(response, path == "/v1/messages")
+    assert response.status_code == 400, response.text
+    if path != "/v1/messages":
+        assert response.json()["error"]["param"] == param
+    else:
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_zzz_nothing_is_left_running_after_all_of_them(server):
+    """Last in this module: after every request above, the engine is idle and holds no pages."""
+    http, engine = server
+    stats = wait_until_idle(engine)
+    assert stats["running"] == stats["waiting"] == stats["pages_used"] == 0, stats
+    assert stats["requests_failed"] == 0
+    assert http.get("/stats").json()["pages_used"] == 0
+    print(f"\nrequests sent: {dict(SENT)}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_run import ROOT, run_program, tiny_config, write_toml
+from numerics import assert_close, gradient_roundings
+from tiny_run import ROOT, TINY, run_program, tiny_config, write_toml
 
 from astrai.model import load_pretrained
 
@@ -35,7 +36,8 @@ def test_two_ranks_match_one(tmp_path, kind):
     a, _ = load_pretrained(tmp_path / "one" / "model")
     b, _ = load_pretrained(tmp_path / "two" / "model")
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+        # six steps, each a gradient over 8 rows of 24 tokens (the synthetic data's seq_len)
+        assert_close(a[k], b[k], 6 * gradient_roundings(TINY, 24, 8 * 24))
     start, _ = load_pretrained(tmp_path / "one" / "checkpoints" / "step_00000003")
     assert any(not torch.equal(start[k], a[k]) for k in a)  # training did move the weights
     # Rank 0 alone wrote the log and the checkpoints.

@@ -10,6 +10,7 @@ import json
 import pytest
 import tokenizers
 import torch
+from numerics import approx, assert_close, forward_roundings
 from tiny_run import ROOT, TINY_MODEL, same_tensors, tiny_config
 from tokenizers import models, pre_tokenizers
 
@@ -134,7 +135,9 @@ def test_engine_logprobs_are_the_models_raw_logprobs():
     mask = batch["labels"] != -100
     recomputed = token_logps(forward(params, CFG, batch["input_ids"]).float(), batch["labels"])
     assert mask.sum() == sum(len(c) for c in samples.completion_ids)
-    torch.testing.assert_close(batch["old_logps"][mask], recomputed[mask], atol=1e-5, rtol=0)
+    # the Engine's paged prefill/decode against one forward pass, and a log_softmax over V
+    roundings = forward_roundings(CFG, batch["input_ids"].shape[1]) + CFG.vocab_size
+    assert_close(batch["old_logps"][mask], recomputed[mask], roundings)
 
 
 def test_rollout_batch_feeds_the_loss_what_each_row_alone_would():
@@ -153,7 +156,7 @@ def test_rollout_batch_feeds_the_loss_what_each_row_alone_would():
     rewards = torch.tensor([1.0, 0.0, 0.5, 2.0])
     batch = build_batch(samples, rewards, scale=True, pad_id=0)
     adv = group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
-    torch.testing.assert_close(batch["advantages"], adv)
+    assert_close(batch["advantages"], adv, 8)  # a mean and a std of 2, a quotient
     assert batch["input_ids"][1].tolist() == [1, 2, 3, 6, 6, 6]
     assert batch["labels"][1].tolist() == [-100, -100, 6, 6, 6, -100]
     assert batch["old_logps"][0, 2:4].tolist() == [-2.0, -1.5]
@@ -167,7 +170,8 @@ def test_rollout_batch_feeds_the_loss_what_each_row_alone_would():
         row_loss, metrics = loss_fn(params, CFG, row, "grpo", opts)
         total += row_loss.item() * metrics["weight"].item()
         count += len(samples.completion_ids[b])
-    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+    # padded rows change the forward's sums; then log_softmax over V and a mean over 9 tokens
+    assert loss.item() == approx(total / count, forward_roundings(CFG, 6) + CFG.vocab_size + 9)
 
 
 def test_rewards_rise_on_a_learnable_reward(prompts_dir, tmp_path):
