@@ -40,12 +40,12 @@ def evaluate_tasks(model: Model, cfg: EvalConfig, log: TextIO | None = None) -> 
 
 
 def flat_metrics(results: list[dict], prefix: str = "eval/") -> dict[str, float]:
-    """{"eval/TASK/METRIC": value} of every numeric metric, as metrics.jsonl records them."""
+    """{"eval/TASK/METRIC": value} of the headline metrics, as metrics.jsonl records them."""
     return {
         f"{prefix}{r['name']}/{k}": v
         for r in results
         for k, v in r["metrics"].items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool)
+        if k in HEADLINE or k.startswith("pass@")
     }
 
 

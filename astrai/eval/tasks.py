@@ -256,7 +256,9 @@ def generation(model: Model, task: EvalTask, batch_size: int, progress: Progress
     completions: list[list[str]] = [[] for _ in records]
     chunk = batch_size * 4  # enough to keep the batch full, few enough to show progress
     total = len(records) * task.samples
-    with Engine(model.params, model.cfg, model.tokenizer, max_batch=batch_size) as engine:
+    device = str(next(iter(model.params.values())).device)
+    engine = Engine(model.params, model.cfg, model.tokenizer, max_batch=batch_size, device=device)
+    with engine:
         for sample in range(task.samples):
             for start in range(0, len(prompts), chunk):
                 outs = engine.generate(prompts[start : start + chunk], **sampling(task, sample))
