@@ -24,6 +24,7 @@ Pair = tuple[list[int], list[int]]
 class Scored(NamedTuple):
     logprobs: list[float]  # one per continuation token
     greedy: bool  # every continuation token is the model's argmax there
+    top: tuple = ()  # per token: the `top` likeliest (id, logprob) pairs, when asked for
 
     @property
     def total(self) -> float:
@@ -52,8 +53,11 @@ def rolling_pairs(prefix: int, ids: list[int], max_len: int) -> list[Pair]:
 
 
 @torch.inference_mode()
-def score_batch(params, cfg: ModelConfig, pairs: list[Pair], max_len: int) -> list[Scored]:
-    """One forward pass over `pairs`, right-padded to the longest."""
+def score_batch(
+    params, cfg: ModelConfig, pairs: list[Pair], max_len: int, top: int = 0
+) -> list[Scored]:
+    """One forward pass over `pairs`, right-padded to the longest; with `top`, the likeliest
+    tokens at each continuation position too."""
     inputs = [model_input(c, t, max_len) for c, t in pairs]
     device = next(iter(params.values())).device
     width = max(len(x) for x in inputs)
@@ -68,7 +72,11 @@ def score_batch(params, cfg: ModelConfig, pairs: list[Pair], max_len: int) -> li
         target = torch.tensor(continuation, device=rows.device)
         picked = rows.gather(-1, target[:, None])[:, 0]
         greedy = bool((rows.argmax(-1) == target).all())
-        scored.append(Scored(picked.tolist(), greedy))
+        best = []
+        if top:
+            values, ids = rows.topk(min(top, rows.shape[-1]), dim=-1)
+            best = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        scored.append(Scored(picked.tolist(), greedy, best))
     return scored
 
 
@@ -79,15 +87,16 @@ def score_pairs(
     batch_size: int,
     max_len: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    top: int = 0,
 ) -> list[Scored]:
     """Score every pair, longest first in batches of batch_size; results in the given order.
-    progress(done, total) is called after each batch."""
+    progress(done, total) is called after each batch; `top` as for `score_batch`."""
     max_len = max_len or cfg.max_position_embeddings
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
     out: list[Scored | None] = [None] * len(pairs)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        for i, s in zip(chunk, score_batch(params, cfg, [pairs[i] for i in chunk], max_len)):
+        for i, s in zip(chunk, score_batch(params, cfg, [pairs[i] for i in chunk], max_len, top)):
             out[i] = s
         if progress is not None:
             progress(min(start + batch_size, len(order)), len(order))
