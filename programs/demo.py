@@ -126,7 +126,7 @@ def evaluate(model_dir: Path, run_dir: Path, limit: int = 0) -> list[dict]:
     write_results(Path(cfg.out), str(model_dir), results, time.time() - started)
     generated, text = (r["metrics"] for r in results)
     for example in generated["examples"]:
-        print(f"         {example['prompt'][-40:]!r} -> {example['completion'].strip()!r}")
+        print(f"         {example['prompt']!r} -> {example['completion'].strip()!r}")
     stage_line(
         "evaluate",
         started,

@@ -295,9 +295,9 @@ def score_generations(
             values = [pass_at_k(task.samples, c, k) for c in right]
             metrics[f"pass@{k}"] = sum(values) / max(len(values), 1)
     metrics["records"] = len(records)
-    metrics["examples"] = [
-        {"prompt": p, "completion": cs[0], "score": scores[i * task.samples]}
-        for i, (p, cs) in enumerate(list(zip(prompts, completions))[:3])
+    metrics["examples"] = [  # the record's own prompt (not the chat template around it)
+        {"prompt": r.get(task.prompt_key, p), "completion": cs[0], "score": scores[i * task.samples]}
+        for i, (r, p, cs) in enumerate(list(zip(records, prompts, completions))[:3])
     ]
     return metrics
 
