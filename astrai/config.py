@@ -617,7 +617,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_every: int = 10
     """Steps between progress lines and `metrics.jsonl` records."""
     eval_every: int = 0
-    """Steps between evaluations on `data.valid`; 0 = only at the end."""
+    """Steps between evaluations (the loss on `data.valid` and the `[eval]` tasks); 0 = only at
+    the end."""
     eval_batches: int = 8
     """Batches per evaluation."""
     checkpoint_every: int = 0

@@ -188,8 +188,13 @@ def prompt_text(model: Model, record: dict, task: EvalTask, where: str, chat: bo
 
 
 def continuation_pair(tokenizer, context: str, continuation: str) -> Pair:
-    """Token ids of context and continuation as the whole text tokenises (a merge across the
-    boundary goes to the continuation), as lm-evaluation-harness splits them."""
+    """Token ids of context and continuation as the whole text tokenises, as
+    lm-evaluation-harness splits them: the context's trailing spaces go with the continuation
+    (byte-level BPE glues a space to the word after it), and so does a token merged across the
+    boundary."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces and context.strip():
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer.encode(context + continuation)
     head = tokenizer.encode(context)
     while head and whole[: len(head)] != head:  # the boundary token merged: it joins the tail
@@ -296,7 +301,11 @@ def score_generations(
             metrics[f"pass@{k}"] = sum(values) / max(len(values), 1)
     metrics["records"] = len(records)
     metrics["examples"] = [  # the record's own prompt (not the chat template around it)
-        {"prompt": r.get(task.prompt_key, p), "completion": cs[0], "score": scores[i * task.samples]}
+        {
+            "prompt": r.get(task.prompt_key, p),
+            "completion": cs[0],
+            "score": scores[i * task.samples],
+        }
         for i, (r, p, cs) in enumerate(list(zip(records, prompts, completions))[:3])
     ]
     return metrics

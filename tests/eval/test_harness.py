@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from eval_fixtures import TEXTS, tiny_model
 
 import astrai
-from astrai.eval import continuation_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
@@ -162,6 +161,23 @@ def run_harness(url: str, model_dir: Path, tasks: Path, out: Path) -> subprocess
     )
 
 
+def arguments(sample: dict) -> list[tuple]:
+    """The (context, continuation) strings of a logged sample's requests."""
+    args = sample["arguments"]
+    if isinstance(args, dict):  # {"gen_args_0": {"arg_0": context, "arg_1": continuation}}
+        args = [tuple(a.values()) for a in args.values()]
+    return [tuple(a[:2]) for a in args]
+
+
+def harness_split(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, all ids) as the harness tokenises a request: the context's trailing
+    spaces move to the continuation, and the whole text is tokenised at once."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    return tok.encode(context), tok.encode(context + continuation)
+
+
 def test_lm_evaluation_harness_scores_the_server_like_forward(served, tmp_path):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -e '.[harness]'")
     url, model_dir = served
@@ -187,12 +203,10 @@ def test_lm_evaluation_harness_scores_the_server_like_forward(served, tmp_path):
     logged = samples["samples_astrai_choice"]
     assert len(logged) == len(choice)
     for sample in logged:
-        record = choice[sample["doc_id"]]
-        for option, resp in zip(record["choices"], sample["resps"]):
+        for (context, continuation), resp in zip(arguments(sample), sample["resps"]):
             loglik, _greedy = resp[0]
-            context, continuation = continuation_pair(tok, record["prompt"], option)
-            ids = context + continuation
-            ours = sum(forward_logprobs(model_dir, ids)[0][len(context) - 1 :])
+            head, ids = harness_split(tok, context, continuation)
+            ours = sum(forward_logprobs(model_dir, ids)[0][len(head) - 1 :])
             assert float(loglik) == pytest.approx(ours, abs=1e-4)
     generated = samples["samples_astrai_generation"]
     assert len(generated) == len(gen)
