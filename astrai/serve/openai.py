@@ -320,7 +320,7 @@ def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> 
     scored = iter(score_pairs(engine.params, engine.cfg, pairs, 8, context, top=top))
     entries = []
     for ids in prompts:
-        first = [{"token_id": ids[0], "logprob": None, "top": None}]
+        first = [{"token_id": ids[0], "logprob": None, "top": None}] if ids else []
         s = next(scored) if len(ids) > 1 else None
         rest = [] if s is None else [
             {"token_id": t, "logprob": lp, "top": best}
