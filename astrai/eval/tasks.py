@@ -125,14 +125,10 @@ def shard_sums(model: Model, folder: str, task: EvalTask, progress: Progress):
     nll, tokens, nbytes, size = 0.0, 0, 0, 16
     for start in range(0, n, size):
         rows = [get_example(data, i) for i in range(start, min(start + size, n))]
-        width = max(len(r["input_ids"]) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        for k, r in enumerate(rows):
-            ids[k, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
-            labels[k, : len(r["labels"])] = torch.as_tensor(r["labels"])
+        batch = padded_rows(rows, IGNORE)
+        labels = batch.pop("labels")
         with torch.inference_mode():
-            logits = _forward(model, ids)
+            logits = _forward(model, **batch)
         nll -= float(token_logps(logits, labels.to(logits.device)).sum())
         tokens += int((labels != IGNORE).sum())
         for r in rows:
@@ -142,11 +138,31 @@ def shard_sums(model: Model, folder: str, task: EvalTask, progress: Progress):
     return nll, tokens, nbytes
 
 
-def _forward(model: Model, ids: torch.Tensor) -> torch.Tensor:
+def padded_rows(rows: list[dict], ignore: int) -> dict[str, torch.Tensor]:
+    """Examples right-padded into a batch: input_ids, labels (`ignore` on padding) and, when
+    the rows have them, positions and doc_ids (padding is a document of its own)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    fill = {"input_ids": 0, "labels": ignore, "positions": 0, "doc_ids": -1}
+    batch = {}
+    for key, value in fill.items():
+        if key not in rows[0]:
+            continue
+        batch[key] = torch.full((len(rows), width), value, dtype=torch.long)
+        for k, r in enumerate(rows):
+            batch[key][k, : len(r[key])] = torch.as_tensor(r[key])
+    return batch
+
+
+def _forward(model: Model, input_ids, positions=None, doc_ids=None) -> torch.Tensor:
     from astrai.model import forward
 
     device = next(iter(model.params.values())).device
-    return forward(model.params, model.cfg, ids.to(device)).float()
+    extra = {
+        name: t.to(device)
+        for name, t in (("positions", positions), ("doc_ids", doc_ids))
+        if t is not None
+    }
+    return forward(model.params, model.cfg, input_ids.to(device), **extra).float()
 
 
 def perplexity(model: Model, task: EvalTask, batch_size: int, progress: Progress) -> dict:

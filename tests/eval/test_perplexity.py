@@ -87,3 +87,40 @@ def test_rolling_windows_score_each_token_once_with_the_context_that_fits(short_
         rows = logp[-len(continuation) :]
         expected += rows.gather(-1, torch.tensor(continuation)[:, None])[:, 0].tolist()
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_perplexity_on_a_prepared_folder_is_the_mean_loss_of_its_rows(model_dir, tmp_path):
+    """A folder `just prepare` wrote: every trained token of every row, bytes those of the
+    target tokens' text."""
+    from astrai.config import eval_config
+    from astrai.data import IGNORE, data_config, get_example, open_dataset, prepare
+    from astrai.eval import evaluate_tasks, model_of
+
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    cfg = data_config(
+        {"tokenizer": str(model_dir), "inputs": [str(data)], "output": str(tmp_path / "shards"),
+         "kind": "seq", "max_seq_len": 16, "positions": "document", "progress": False},
+        "test",
+    )  # fmt: skip
+    prepare(cfg, log=None)
+    params, model_cfg = astrai.load_pretrained(model_dir)
+    tok = astrai.Tokenizer.from_pretrained(model_dir)
+    task = {"name": "shards", "kind": "perplexity", "data": str(tmp_path / "shards")}
+    metrics = evaluate_tasks(model_of(params, model_cfg, tok), eval_config({"tasks": [task]}))[0][
+        "metrics"
+    ]
+    dataset = open_dataset(tmp_path / "shards")
+    nll, count, nbytes = 0.0, 0, 0
+    for i in range(len(dataset)):
+        row = get_example(dataset, i)
+        ids, labels = torch.as_tensor(row["input_ids"]), torch.as_tensor(row["labels"])
+        positions, docs = (torch.as_tensor(row[k])[None] for k in ("positions", "doc_ids"))
+        logits = astrai.forward(params, model_cfg, ids[None], positions, doc_ids=docs)[0].double()
+        nll += F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum").item()
+        targets = labels[labels != IGNORE].tolist()
+        count += len(targets)
+        nbytes += len(tok.decode(targets, skip_special_tokens=False).encode())
+    eps = torch.finfo(torch.float32).eps
+    assert metrics["tokens"] == count and metrics["bytes"] == nbytes
+    assert metrics["loss"] == pytest.approx(nll / count, rel=64 * eps)
+    assert metrics["bits_per_byte"] == pytest.approx(nll / math.log(2) / nbytes, rel=64 * eps)
