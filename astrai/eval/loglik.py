@@ -64,11 +64,11 @@ def score_batch(
     tokens = torch.zeros(len(inputs), width, dtype=torch.long)
     for row, x in enumerate(inputs):
         tokens[row, : len(x)] = torch.tensor(x)
-    logp = F.log_softmax(forward(params, cfg, tokens.to(device)).float(), dim=-1)
+    logits = forward(params, cfg, tokens.to(device))
     scored = []
     for row, (x, (_, continuation)) in enumerate(zip(inputs, pairs)):
-        n = len(continuation)
-        rows = logp[row, len(x) - n : len(x)]
+        n = len(continuation)  # only the continuation's rows: no second [B, T, vocab] tensor
+        rows = F.log_softmax(logits[row, len(x) - n : len(x)].float(), dim=-1)
         target = torch.tensor(continuation, device=rows.device)
         picked = rows.gather(-1, target[:, None])[:, 0]
         greedy = bool((rows.argmax(-1) == target).all())

@@ -315,9 +315,10 @@ def legacy_logprobs(tokenizer, entries: list[dict] | None, top: int | None, offs
 
 def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> list[list[dict]]:
     """Each prompt token's log-probability given the tokens before it, from `forward` on the
-    engine's weights, as logprob entries (what lm-evaluation-harness reads from `echo`)."""
+    engine's weights, as logprob entries (what lm-evaluation-harness reads from `echo`); the
+    first token has none. One prompt per forward pass: a [T, vocab] block of logits at most."""
     pairs = [(ids[:1], ids[1:]) for ids in prompts if len(ids) > 1]
-    scored = iter(score_pairs(engine.params, engine.cfg, pairs, 8, context, top=top))
+    scored = iter(score_pairs(engine.params, engine.cfg, pairs, 1, context, top=top))
     entries = []
     for ids in prompts:
         first = [{"token_id": ids[0], "logprob": None, "top": None}] if ids else []
@@ -401,11 +402,11 @@ async def completions(state: AppState, body: bytes) -> Response:
         body = completion_events(events, head, texts, req, top, state.tokenizer)
         return sse.EventStream(body, events)
     echoed = [[] for _ in requests]
-    if req.echo and top is not None:
+    if req.echo and top is not None:  # scored once per prompt, shared by its n choices
         scored = await anyio.to_thread.run_sync(
-            prompt_entries, state.engine, [ids for ids, _ in requests], top, state.context
+            prompt_entries, state.engine, prompts, top, state.context
         )
-        echoed = scored
+        echoed = [entries for entries in scored for _ in range(req.n)]
     if req.max_tokens == 0:
         outcomes = [
             Completion(finish_reason="length", usage=EngineUsage(len(ids), 0, 0))
