@@ -20,8 +20,12 @@ import numpy as np
 import torch
 
 from astrai.config import EvalTask, ModelConfig
+from astrai.data import IGNORE, get_example, open_dataset
 from astrai.eval.loglik import Pair, rolling_pairs, score_pairs
 from astrai.eval.scoring import pass_at_k, scorer_for
+from astrai.infer import Engine
+from astrai.model import forward
+from astrai.train.losses import token_logps
 
 Progress = Callable[[int, int], None]
 
@@ -114,17 +118,14 @@ def text_pairs(model: Model, texts: list[str]) -> tuple[list[Pair], int]:
     return pairs, sum(len(t.encode()) for t in texts)
 
 
-def shard_sums(model: Model, folder: str, task: EvalTask, progress: Progress):
+def shard_sums(model: Model, task: EvalTask, batch_size: int, progress: Progress):
     """(summed negative log-likelihood, tokens, bytes) of the trained tokens of a prepared
     folder; the bytes are those of the target tokens' text."""
-    from astrai.data import IGNORE, get_example, open_dataset  # the data stack only when read
-    from astrai.train.losses import token_logps
-
-    data = open_dataset(folder)
+    data = open_dataset(task.data)
     n = min(len(data), task.limit) if task.limit else len(data)
-    nll, tokens, nbytes, size = 0.0, 0, 0, 16
-    for start in range(0, n, size):
-        rows = [get_example(data, i) for i in range(start, min(start + size, n))]
+    nll, tokens, nbytes = 0.0, 0, 0
+    for start in range(0, n, batch_size):
+        rows = [get_example(data, i) for i in range(start, min(start + batch_size, n))]
         batch = padded_rows(rows, IGNORE)
         labels = batch.pop("labels")
         with torch.inference_mode():
@@ -134,7 +135,7 @@ def shard_sums(model: Model, folder: str, task: EvalTask, progress: Progress):
         for r in rows:
             targets = [int(t) for t in np.asarray(r["labels"]) if t != IGNORE]
             nbytes += len(model.tokenizer.decode(targets, skip_special_tokens=False).encode())
-        progress(min(start + size, n), n)
+        progress(min(start + batch_size, n), n)
     return nll, tokens, nbytes
 
 
@@ -154,8 +155,6 @@ def padded_rows(rows: list[dict], ignore: int) -> dict[str, torch.Tensor]:
 
 
 def _forward(model: Model, input_ids, positions=None, doc_ids=None) -> torch.Tensor:
-    from astrai.model import forward
-
     device = next(iter(model.params.values())).device
     extra = {
         name: t.to(device)
@@ -167,7 +166,7 @@ def _forward(model: Model, input_ids, positions=None, doc_ids=None) -> torch.Ten
 
 def perplexity(model: Model, task: EvalTask, batch_size: int, progress: Progress) -> dict:
     if Path(task.data).is_dir():
-        nll, tokens, nbytes = shard_sums(model, task.data, task, progress)
+        nll, tokens, nbytes = shard_sums(model, task, batch_size, progress)
     else:
         records = read_records(task.data, task.limit)
         texts = [
@@ -267,8 +266,6 @@ def sampling(task: EvalTask, sample: int) -> dict:
 
 
 def generation(model: Model, task: EvalTask, batch_size: int, progress: Progress) -> dict:
-    from astrai.infer import Engine  # the inference stack only when a task generates
-
     records = read_records(task.data, task.limit)
     prompts = [
         prompt_text(model, r, task, f"{task.data} record {i + 1}", chat=task.chat)
