@@ -31,6 +31,10 @@ chat *ARGS:
 bench *ARGS:
     python programs/bench.py {{ARGS}}
 
+# Evaluate a model: just eval eval.toml, or just eval --model DIR --data FILE.jsonl
+eval *ARGS:
+    python programs/eval.py {{ARGS}}
+
 # Draw a run's curves to a PNG: just plot RUN_DIR
 plot *ARGS:
     python programs/plot.py {{ARGS}}

@@ -479,6 +479,103 @@ class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.prompts_per_round * self.group_size
 
 
+# --- evaluation (docs/evaluation.md describes the tasks) -----------------------------------
+
+SCORERS = ("exact", "regex", "numeric")
+
+
+class EvalTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[[eval.tasks]]: one task. `kind` says which keys it reads."""
+
+    name: str
+    """What the results table and metrics.jsonl call the task (`eval/NAME/...`)."""
+    kind: Literal["perplexity", "generation", "choice"]
+    """`perplexity`: loss, perplexity and bits per byte of text; `generation`: complete prompts
+    and score the completions against references; `choice`: pick among options by their
+    log-likelihood."""
+    data: str
+    """A JSONL file; for `perplexity` also a folder prepared by `just prepare`."""
+    limit: int = 0
+    """Evaluate only the first this many records; 0 = all of them."""
+    text_key: str = "text"
+    """perplexity: the JSONL key holding each document's text."""
+    prompt_key: str = "prompt"
+    """generation, choice: the key of the prompt (a string); a record with `messages` (a list of
+    chat turns) is a chat prompt instead."""
+    answer_key: str = "answer"
+    """generation: the key of the reference answer; choice: of the index of the right option."""
+    choices_key: str = "choices"
+    """choice: the key of the list of options (strings), each scored as a continuation of the
+    prompt."""
+    chat: bool = True
+    """generation: wrap a plain `prompt` in the model's chat template as one user turn."""
+    score: str = "exact"
+    """generation: `exact` (the stripped completion equals the reference), `regex` (the first
+    group of `pattern` found in the completion equals the reference), `numeric` (the number
+    found, by `pattern` or else the completion's final answer, equals the reference's value),
+    or a dotted path to a reward function `(prompts, completions, **record_fields) ->
+    list[float]` as GRPO takes (a positive score counts as correct)."""
+    pattern: str = ""
+    """generation: the regular expression of `regex` (and optionally `numeric`)."""
+    samples: int = 1
+    """generation: completions sampled per prompt; with more than one, pass@k is reported for k
+    = 1 and k = samples (the unbiased estimator)."""
+    max_tokens: int = 64
+    """generation: most tokens per completion."""
+    temperature: float = 0.0
+    """generation: sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """generation: nucleus sampling; 1 = off."""
+    top_k: int = 0
+    """generation: sample from the k most likely tokens; 0 = off."""
+    seed: int = 0
+    """generation: seed of the first completion; completion i of a prompt uses seed + i."""
+    stop: tuple[str, ...] = ()
+    """generation: strings that end a completion (not included in it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("limit", "top_k", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("samples", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.score not in SCORERS and "." not in self.score:
+            raise ValueError(
+                f"score must be one of {', '.join(SCORERS)} or a dotted path, got {self.score!r}"
+            )
+        if self.score == "regex" and not self.pattern:
+            raise ValueError("score 'regex' needs a pattern")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError("samples > 1 needs temperature > 0 (greedy samples are all alike)")
+
+
+class EvalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[eval]: the tasks `just eval` runs, and that training runs every `eval_every` steps."""
+
+    tasks: tuple[EvalTask, ...] = ()
+    """The `[[eval.tasks]]` list."""
+    model: str = ""
+    """`just eval`: the model folder to evaluate (`--model` overrides it)."""
+    out: str = ""
+    """`just eval`: the JSON file of results. Empty: `eval.json` in the model folder."""
+    batch_size: int = 16
+    """Sequences per forward pass (perplexity, choice) and prompts per Engine batch."""
+    device: str = "cpu"
+    """`just eval`: where the model runs: cpu, cuda, cuda:1, ..."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        names = [t.name for t in self.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must differ, got {names}")
+
+
 class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A training run: the model, its data, the optimizer and how the loop runs."""
 
@@ -520,7 +617,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_every: int = 10
     """Steps between progress lines and `metrics.jsonl` records."""
     eval_every: int = 0
-    """Steps between evaluations on `data.valid`; 0 = only at the end."""
+    """Steps between evaluations (the loss on `data.valid` and the `[eval]` tasks); 0 = only at
+    the end."""
     eval_batches: int = 8
     """Batches per evaluation."""
     checkpoint_every: int = 0
@@ -545,6 +643,10 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The `[data]` table."""
     grpo: GrpoConfig = GrpoConfig()
     """The `[grpo]` table: online rollouts for `kind = "grpo"` on a prompt dataset."""
+    eval: EvalConfig = EvalConfig()
+    """The `[eval]` table: tasks evaluated with the held-out loss every `eval_every` steps (their
+    results go to `metrics.jsonl` as `eval/TASK/METRIC`); `model`, `out` and `device` are
+    `just eval`'s and unused here."""
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -609,6 +711,7 @@ def train_config(data: dict[str, Any], source: str = "<dict>", base: Path | None
     )
     return msgspec.structs.replace(
         cfg,
+        eval=rebase_eval(cfg.eval, base),
         out_dir=under(cfg.out_dir),
         init_from=under(cfg.init_from),
         tokenizer=under(cfg.tokenizer),
@@ -625,6 +728,31 @@ def load_train_config(path: str | Path) -> TrainConfig:
             f"{path}: `data.train` must name a prepared data folder (or source = 'synthetic')"
         )
     return cfg
+
+
+def eval_config(data: dict[str, Any], source: str = "<dict>", base: Path | None = None):
+    """Decode an [eval] table; relative paths are taken from `base` (the TOML's folder)."""
+    cfg = from_dict(EvalConfig, data, source)
+    return cfg if base is None else rebase_eval(cfg, base)
+
+
+def rebase_eval(cfg: EvalConfig, base: Path) -> EvalConfig:
+    """The [eval] table with its relative paths taken from `base`."""
+
+    def under(p: str) -> str:
+        return p if not p or Path(p).is_absolute() else str(base / p)
+
+    tasks = tuple(msgspec.structs.replace(t, data=under(t.data)) for t in cfg.tasks)
+    return msgspec.structs.replace(cfg, tasks=tasks, model=under(cfg.model), out=under(cfg.out))
+
+
+def load_eval_config(path: str | Path) -> EvalConfig:
+    """The [eval] table of a TOML file (a training TOML may hold it beside the run's keys)."""
+    path = Path(path)
+    data = read_toml(path)
+    if "eval" not in data:
+        raise ConfigError(f"{path}: missing [eval] table")
+    return eval_config(data["eval"], f"{path} [eval]", base=path.parent)
 
 
 # --- inference and serving (docs/configuration.md lists every key) -------------------------

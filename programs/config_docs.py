@@ -21,6 +21,7 @@ import msgspec
 
 from astrai.config import (
     EngineConfig,
+    EvalConfig,
     ServeConfig,
     TrainConfig,
     field_docs,
@@ -50,6 +51,14 @@ SECTIONS = [
         "folder. docs/data.md describes the pipeline.",
     ),
     (
+        "Evaluation: `just eval eval.toml`",
+        EvalConfig,
+        "eval",
+        "`load_eval_config` reads the `[eval]` table of a TOML (a training TOML's `[eval]` is "
+        "the same table); each `[[eval.tasks]]` entry is one task. Relative paths are taken "
+        "from the TOML's folder. docs/evaluation.md describes the tasks and their metrics.",
+    ),
+    (
         "Inference engine: `Engine(...)`, `init_engine(...)`, `[serve]`",
         EngineConfig,
         None,
@@ -75,6 +84,14 @@ def struct_of(tp) -> type | None:
     return found[0] if found else None
 
 
+def item_struct(tp) -> type | None:
+    """The Struct of a list of tables (`tuple[Struct, ...]`, TOML's `[[table]]`), else None."""
+    if typing.get_origin(tp) not in (list, tuple):
+        return None
+    first = typing.get_args(tp)[0]
+    return first if isinstance(first, type) and issubclass(first, msgspec.Struct) else None
+
+
 def is_union(tp) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
@@ -84,6 +101,8 @@ def type_text(tp) -> str:
         return " or ".join(type_text(a) for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(f"`{json.dumps(a)}`" for a in typing.get_args(tp))
+    if item_struct(tp):
+        return "list of tables"
     if typing.get_origin(tp) in (list, tuple):
         return "list of " + {str: "strings", int: "ints", float: "floats"}[typing.get_args(tp)[0]]
     if struct_of(tp):
@@ -146,9 +165,11 @@ def own_fields(struct: type) -> list:
     ]
 
 
-def tables(struct: type, path: str | None) -> list[str]:
-    """A heading and a key table for `struct`, then the same for each table nested in it."""
+def tables(struct: type, path: str | None, array: bool = False) -> list[str]:
+    """A heading and a key table for `struct`, then the same for each table nested in it
+    (`array`: one of a list of tables, `[[path]]`)."""
     heading = "Keyword arguments" if path is None else f"`[{path}]`" if path else "Top level"
+    heading = f"`[[{path}]]`" if array else heading
     lines = [f"### {heading}", "", f"{intro(struct)} (`{struct.__name__}`)", ""]
     lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
     said = meanings(struct)
@@ -156,10 +177,13 @@ def tables(struct: type, path: str | None) -> list[str]:
     for field in own_fields(struct):
         row = [f"`{field.name}`", type_text(field.type), default_text(field), said[field.name]]
         lines.append("| " + " | ".join(row) + " |")
-        if inner := struct_of(field.type):
-            nested.append((inner, f"{path}.{field.name}" if path else field.name))
-    for inner, inner_path in nested:
-        lines += ["", *tables(inner, inner_path)]
+        inner, array = struct_of(field.type), False
+        if inner is None and (inner := item_struct(field.type)):
+            array = True
+        if inner:
+            nested.append((inner, f"{path}.{field.name}" if path else field.name, array))
+    for inner, inner_path, array in nested:
+        lines += ["", *tables(inner, inner_path, array)]
     return lines
 
 

@@ -5,7 +5,8 @@
     just demo --no-serve # stop after training and evaluation
 
 The stages read configs/demo-pretrain.toml and configs/demo-sft.toml: the documented examples of
-the options a user is most likely to change.
+the options a user is most likely to change. The evaluation is configs/demo-eval.toml's, the
+same that `just eval configs/demo-eval.toml` runs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import demo_data
 
-from astrai.config import read_toml, train_config
+from astrai.config import EvalConfig, eval_config, read_toml, train_config
 from astrai.data import data_config, format_summary, prepare
-from astrai.infer import Engine
+from astrai.eval import evaluate_tasks, model_of, write_results
 from astrai.model import load_pretrained
 from astrai.tokenizer import Tokenizer
 from astrai.train import train
@@ -38,18 +39,19 @@ def stage_line(name: str, started: float, detail: str = "") -> None:
     print(f"[demo] {name:<10} done in {time.time() - started:5.1f}s  {detail}", flush=True)
 
 
+def rebase(value, run_dir: Path):
+    """A demo TOML's data with its run folder moved to run_dir."""
+    if isinstance(value, str) and value.startswith(DEFAULT_RUN):
+        return str(run_dir) + value[len(DEFAULT_RUN) :]
+    if isinstance(value, dict):
+        return {k: rebase(v, run_dir) for k, v in value.items()}
+    return [rebase(v, run_dir) for v in value] if isinstance(value, list) else value
+
+
 def load_stage_config(name: str, run_dir: Path, max_steps: int | None):
     """A demo TOML with its run folder moved to run_dir: (training config, prepare config)."""
-
-    def rebase(value):
-        if isinstance(value, str) and value.startswith(DEFAULT_RUN):
-            return str(run_dir) + value[len(DEFAULT_RUN) :]
-        if isinstance(value, dict):
-            return {k: rebase(v) for k, v in value.items()}
-        return [rebase(v) for v in value] if isinstance(value, list) else value
-
     path = CONFIGS / name
-    data = rebase(read_toml(path))
+    data = rebase(read_toml(path), run_dir)
     prepare_table = data.pop("prepare")
     if max_steps is not None:
         data["max_steps"] = max_steps
@@ -103,26 +105,36 @@ def train_model(run_dir: Path, records: int, max_steps: dict[str, int | None]) -
     return final
 
 
-def evaluate(model_dir: Path, eval_file: Path, limit: int | None = None) -> float:
-    """Greedy exact-match accuracy on the held-out problems, through the Engine."""
+def demo_eval_config(run_dir: Path, limit: int = 0) -> EvalConfig:
+    """configs/demo-eval.toml with its run folder moved to run_dir (and each task cut to
+    `limit` records when given)."""
+    path = CONFIGS / "demo-eval.toml"
+    table = rebase(read_toml(path)["eval"], run_dir)
+    for task in table["tasks"]:
+        task["limit"] = limit or task.get("limit", 0)
+    return eval_config(table, f"{path} [eval]", base=CONFIGS)
+
+
+def evaluate(model_dir: Path, run_dir: Path, limit: int = 0) -> list[dict]:
+    """The tasks of configs/demo-eval.toml, as `just eval configs/demo-eval.toml` runs them:
+    held-out accuracy (greedy, through the Engine) and held-out perplexity."""
     started = time.time()
-    params, cfg = load_pretrained(model_dir)
-    tokenizer = Tokenizer.from_pretrained(model_dir)
-    records = [json.loads(line) for line in eval_file.read_text().splitlines()][:limit]
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
-    ]
-    with Engine(params, cfg, tokenizer, max_batch=64) as engine:
-        outputs = engine.generate(prompts, temperature=0.0, max_tokens=64)
-    # The answer is worked digit by digit and ends in "so 37 + 48 = 85": that equation counts.
-    correct = [o.text.strip().endswith(f"so {r['expected']}") for o, r in zip(outputs, records)]
-    accuracy = sum(correct) / max(len(correct), 1)
-    for o, r in list(zip(outputs, records))[:3]:
-        print(f"         {r['prompt']!r} -> {o.text.strip()!r}")
+    cfg = demo_eval_config(run_dir, limit)
+    params, model_cfg = load_pretrained(model_dir)
+    model = model_of(params, model_cfg, Tokenizer.from_pretrained(model_dir))
+    results = evaluate_tasks(model, cfg)
+    write_results(Path(cfg.out), str(model_dir), results, time.time() - started)
+    generated, text = (r["metrics"] for r in results)
+    for example in generated["examples"]:
+        print(f"         {example['prompt']!r} -> {example['completion'].strip()!r}")
     stage_line(
-        "evaluate", started, f"exact match {accuracy:.1%} on {len(records)} held-out problems"
+        "evaluate",
+        started,
+        f"exact match {generated['accuracy']:.1%} on {generated['records']} held-out problems, "
+        f"perplexity {text['perplexity']:.3f} ({text['bits_per_byte']:.3f} bits per byte) on "
+        f"held-out text; all in {cfg.out}",
     )
-    return accuracy
+    return results
 
 
 def serve(model_dir: Path, port: int) -> None:
@@ -176,7 +188,7 @@ def main() -> int:
     if args.fresh or not (model_dir / "config.json").exists():
         steps = {"pretrain": 4, "sft": 4} if args.quick else {"pretrain": None, "sft": None}
         train_model(run_dir, records=400 if args.quick else 20000, max_steps=steps)
-        evaluate(model_dir, run_dir / "data" / "eval.jsonl", limit=20 if args.quick else None)
+        evaluate(model_dir, run_dir, limit=20 if args.quick else 0)
         print(f"[demo] trained and evaluated in {time.time() - started:.0f}s", flush=True)
     else:
         print(f"[demo] reusing {model_dir} (just demo --fresh retrains)", flush=True)

@@ -126,8 +126,10 @@ def generate(out: Path, seed: int = 0, records: int = 20000, eval_count: int = 2
                 drill.append(answer(*p))
         write("pretrain", {"text": "\n".join(drill)})
     for p in held_out:
-        write("eval", {"prompt": question(rng, *p), "answer": equation(*p).split(" = ")[1],
-                       "expected": equation(*p)})  # fmt: skip
+        user = question(rng, *p)
+        write("eval", {"prompt": user, "answer": equation(*p).split(" = ")[1],
+                       "expected": equation(*p),
+                       "text": f"User: {user}\nAssistant: {answer(*p)}"})  # fmt: skip
     for f in files.values():
         f.close()
     return counts

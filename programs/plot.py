@@ -1,5 +1,5 @@
-"""Draw a training run's curves (loss and eval loss, LR, gradient norm, tokens/s, and GRPO's
-reward per round) to a PNG, with the numbers drawn beside it as JSON.
+"""Draw a training run's curves (loss and eval loss, LR, gradient norm, tokens/s, GRPO's
+reward per round, and the [eval] tasks' accuracy and bits per byte) to a PNG, with the numbers drawn beside it as JSON.
 
     python programs/plot.py RUN_DIR [--out PATH]        # default: RUN_DIR/curves.png
 
@@ -10,6 +10,7 @@ to curves.json and the program says how to install it.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import sys
@@ -21,13 +22,15 @@ from figures import NoMatplotlib, pyplot
 
 from astrai.train.metrics import read_metrics
 
-# (title, y axis with its unit, metric names); "*": every logged key with that prefix
+# (title, y axis with its unit, metric names); a name with "*" matches logged keys as a glob
 PANELS = [
     ("Loss", "cross-entropy (nats per token)", ("loss", "eval_loss")),
     ("Learning rate", "learning rate", ("lr",)),
     ("Gradient norm", "global L2 norm, before clipping", ("grad_norm",)),
     ("Throughput", "tokens per second", ("tokens_per_s",)),
     ("GRPO reward", "mean reward per round", ("reward_mean", "reward_mean/*")),
+    ("Task accuracy", "fraction right ([eval] tasks)", ("eval/*/accuracy*", "eval/*/pass@*")),
+    ("Held-out text", "bits per byte ([eval] perplexity tasks)", ("eval/*/bits_per_byte",)),
 ]
 LABELS = {"loss": "train loss", "eval_loss": "held-out loss", "reward_mean": "total (weighted)"}
 Series = tuple[str, list[float], list[float]]
@@ -40,7 +43,7 @@ def curves(records: list[dict]) -> list[Panel]:
     logged = list(dict.fromkeys(k for r in records for k in r))
     for title, axis, patterns in PANELS:
         series = []
-        names = [n for p in patterns for n in (logged if p.endswith("*") else [p]) if fits(n, p)]
+        names = [n for p in patterns for n in (logged if "*" in p else [p]) if fits(n, p)]
         for name in names:
             points = [
                 (r["step"], float(r[name]))
@@ -55,7 +58,7 @@ def curves(records: list[dict]) -> list[Panel]:
 
 
 def fits(name: str, pattern: str) -> bool:
-    return name.startswith(pattern[:-1]) if pattern.endswith("*") else name == pattern
+    return fnmatch.fnmatchcase(name, pattern) if "*" in pattern else name == pattern
 
 
 def draw(path: Path, title: str, panels: list[Panel]) -> None:
@@ -67,7 +70,7 @@ def draw(path: Path, title: str, panels: list[Panel]) -> None:
     for ax, (name, axis, series) in zip(axes.flat, panels):
         for metric, xs, ys in series:
             sparse = metric == "eval_loss" or len(xs) < 20  # few points: show each one
-            label = LABELS.get(metric, metric.removeprefix("reward_mean/"))
+            label = LABELS.get(metric, metric.removeprefix("reward_mean/").removeprefix("eval/"))
             ax.plot(xs, ys, label=label, marker="o" if sparse else None, ms=3)
         ax.set_title(name, fontsize=11)
         ax.set_xlabel("optimizer step")

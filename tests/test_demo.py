@@ -53,6 +53,7 @@ def test_demo_trains_evaluates_and_serves_an_openai_request(tmp_path):
     out = run_demo(tmp_path)
     for stage in ("data", "tokenizer", "prepare", "pretrain", "sft", "evaluate"):
         assert f"[demo] {stage}" in out
+    assert_just_eval_reproduces_the_demo(tmp_path, out)
     model = tmp_path / "model"
     assert (model / "model.safetensors").exists() and (model / "tokenizer.json").exists()
     assert "reusing" in run_demo(tmp_path)  # a second run does not train again
@@ -82,6 +83,31 @@ def test_demo_trains_evaluates_and_serves_an_openai_request(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def assert_just_eval_reproduces_the_demo(run_dir: Path, demo_out: str) -> None:
+    """`just eval` on configs/demo-eval.toml (moved to the run folder, cut to the quick demo's
+    20 records) gives the held-out accuracy the demo printed, and a held-out perplexity."""
+    text = (ROOT / "configs" / "demo-eval.toml").read_text()
+    text = text.replace('"../runs/demo', f'"{run_dir}').replace(
+        "max_tokens", "limit = 20\nmax_tokens"
+    )
+    text = text.replace('kind = "perplexity"', 'kind = "perplexity"\nlimit = 20')
+    config = run_dir / "eval.toml"
+    config.write_text(text)
+    out = run_dir / "again.json"
+    result = subprocess.run(
+        [sys.executable, ROOT / "programs" / "eval.py", str(config), "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    generated, held_out = (t["metrics"] for t in json.loads(out.read_text())["tasks"])
+    printed = re.search(r"exact match ([\d.]+)% on (\d+) held-out", demo_out)
+    assert printed.group(1) == f"{generated['accuracy'] * 100:.1f}"
+    assert int(printed.group(2)) == generated["records"] == 20
+    assert f"perplexity {held_out['perplexity']:.3f}" in demo_out
+    demo_results = json.loads((run_dir / "eval.json").read_text())["tasks"]
+    assert demo_results[0]["metrics"]["accuracy"] == generated["accuracy"]
 
 
 def test_demo_prints_the_chat_page_next_to_the_curl_example(monkeypatch, capsys):

@@ -187,6 +187,12 @@ class Engine:
         if swap.error is not None:
             raise swap.error
 
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The weights the engine decodes with, for reading only (e.g. `forward` to score a
+        prompt's tokens); `update_params` replaces them."""
+        return self._params
+
     def stats(self) -> dict:
         """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals,
         as of the last snapshot (taken between steps, at least every 50 ms while busy)."""

@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import anyio
 import msgspec
 from starlette.responses import Response
 
+from astrai.eval.loglik import score_pairs
 from astrai.infer import Completion
+from astrai.infer.events import Usage as EngineUsage
 from astrai.serve import sse, tools
 from astrai.serve.chat import chat_prompt, check_token_ids, finite, prompt_ids, token_text
 from astrai.serve.errors import APIError, bad_request, from_decode_error, openai_body
@@ -40,7 +43,15 @@ from astrai.serve.schemas_openai import (
     TopLogprob,
     Usage,
 )
-from astrai.serve.state import AppState, check_generates, check_model, new_id, now, token_budget
+from astrai.serve.state import (
+    AppState,
+    check_generates,
+    check_model,
+    new_id,
+    now,
+    prompt_too_long,
+    token_budget,
+)
 from astrai.serve.streams import collect, open_choices
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -283,18 +294,57 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
 
 
 def legacy_logprobs(tokenizer, entries: list[dict] | None, top: int | None, offset: int):
+    """Entries as the engine gives them ({"token_id", "logprob", "top"}); an echoed prompt's
+    first token has None for both, having no context."""
     if top is None or not entries:
         return None
     texts = [token_text(tokenizer, e["token_id"]) for e in entries]
     offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
     return LegacyLogprobs(
         tokens=texts,
-        token_logprobs=[finite(e["logprob"]) for e in entries],
+        token_logprobs=[None if e["logprob"] is None else finite(e["logprob"]) for e in entries],
         top_logprobs=[
-            {token_text(tokenizer, i): finite(lp) for i, lp in e["top"][:top]} for e in entries
+            None
+            if e["top"] is None
+            else {token_text(tokenizer, i): finite(lp) for i, lp in e["top"][:top]}
+            for e in entries
         ],
         text_offset=offsets,
     )
+
+
+def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> list[list[dict]]:
+    """Each prompt token's log-probability given the tokens before it, from `forward` on the
+    engine's weights, as logprob entries (what lm-evaluation-harness reads from `echo`); the
+    first token has none. One prompt per forward pass: a [T, vocab] block of logits at most."""
+    pairs = [(ids[:1], ids[1:]) for ids in prompts if len(ids) > 1]
+    scored = iter(score_pairs(engine.params, engine.cfg, pairs, 1, context, top=top))
+    entries = []
+    for ids in prompts:
+        first = [{"token_id": ids[0], "logprob": None, "top": None}] if ids else []
+        s = next(scored) if len(ids) > 1 else None
+        rest = [] if s is None else [
+            {"token_id": t, "logprob": lp, "top": best}
+            for t, lp, best in zip(ids[1:], s.logprobs, s.top or [[]] * len(s.logprobs))
+        ]  # fmt: skip
+        entries.append(first + rest)
+    return entries
+
+
+def check_echo(req: CompletionRequest, prompts: list[list[int]], context: int) -> None:
+    """What scoring a prompt needs: max_tokens 0 only with echo, echoed log-probs not streamed,
+    the prompt within the context."""
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens is 0, which generates nothing; it needs echo.", "max_tokens")
+    scoring = req.max_tokens == 0 or (req.echo and req.logprobs is not None)
+    if scoring and req.stream:
+        raise bad_request(
+            "echo with logprobs (or max_tokens 0) is answered whole: set stream to false.",
+            "stream",
+        )
+    for ids in prompts:
+        if req.max_tokens == 0 and len(ids) > context:
+            raise prompt_too_long(len(ids), context, "prompt")
 
 
 async def completion_events(events, head: TextCompletion, texts, req, top, tokenizer):
@@ -333,28 +383,50 @@ async def completions(state: AppState, body: bytes) -> Response:
             f"{state.serve_cfg.max_n} choices per request.",
             "n",
         )
+    check_echo(req, prompts, state.context)
     requests = []
     for ids in prompts:
+        if req.max_tokens == 0:
+            requests += [(ids, None)] * req.n
+            continue
         budget = token_budget(
             len(ids), req.max_tokens, state.context, COMPLETIONS_DEFAULT_MAX_TOKENS,
             "max_tokens", "prompt",
         )  # fmt: skip
         kwargs = sampling_kwargs(req, budget, top)
         requests += [(ids, k) for k in choice_kwargs(kwargs, req.n)]
-    events = await open_choices(state.engine, requests, state.metrics)
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in requests]
     head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
     if req.stream:
+        events = await open_choices(state.engine, requests, state.metrics)
         body = completion_events(events, head, texts, req, top, state.tokenizer)
         return sse.EventStream(body, events)
-    outcomes = await collect(events, len(requests))
+    echoed = [[] for _ in requests]
+    if req.echo and top is not None:  # scored once per prompt, shared by its n choices
+        scored = await anyio.to_thread.run_sync(
+            prompt_entries, state.engine, prompts, top, state.context
+        )
+        echoed = [entries for entries in scored for _ in range(req.n)]
+    if req.max_tokens == 0:
+        outcomes = [
+            Completion(finish_reason="length", usage=EngineUsage(len(ids), 0, 0))
+            for ids, _ in requests
+        ]
+    else:
+        events = await open_choices(state.engine, requests, state.metrics)
+        outcomes = await collect(events, len(requests))
     raise_if_failed(outcomes)
     head.choices = [
         TextChoice(
             i,
             texts[i] + o.text,
             finish_reason(o.finish_reason, False),
-            legacy_logprobs(state.tokenizer, o.logprobs, top, len(texts[i])),
+            legacy_logprobs(
+                state.tokenizer,
+                echoed[i] + (o.logprobs or []),
+                top,
+                0 if echoed[i] else len(texts[i]),
+            ),
         )
         for i, o in enumerate(outcomes)
     ]

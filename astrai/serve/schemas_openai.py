@@ -118,6 +118,7 @@ Prompt = str | list[str | int | list[int]]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
+    max_tokens: Count | None = None  # 0: score the prompt (with echo)
     logprobs: Count | None = None  # the legacy API: a count of alternatives
     echo: bool = False
     suffix: None = None  # fill-in-the-middle is not supported; any value is a 400
@@ -212,8 +213,8 @@ class ChatChunk(Struct):
 
 class LegacyLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token has no context
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

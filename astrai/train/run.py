@@ -1,7 +1,7 @@
 """What every way of training shares around `train_step`: starting a run (distributed setup, the
 run folder, a fresh or resumed state, the reference model, the held-out split), `run_step`
 (one optimizer step with its metrics, evaluation and checkpoint on their cadence),
-`evaluate` and `save_checkpoint`.
+`evaluate` (the held-out loss), `evaluate_on_tasks` (the [eval] tasks) and `save_checkpoint`.
 
 The loop (astrai/train/loop.py) and GRPO's rounds (astrai/train/grpo.py) both build on this
 module; neither imports the other's internals.
@@ -13,13 +13,15 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import msgspec
 import torch
 
 from astrai.config import ModelConfig, TrainConfig
-from astrai.model import init_params, load_pretrained
+from astrai.eval import evaluate_tasks, flat_metrics, model_of
+from astrai.model import init_params, load_pretrained, merge_lora
+from astrai.tokenizer import Tokenizer
 from astrai.train.batches import BatchSource, open_batches, rows_per_rank, with_rank
 from astrai.train.checkpoint import (
     canonical_order,
@@ -59,6 +61,7 @@ class Run(NamedTuple):
     throughput: Throughput
     log: TextIO
     resumed: bool  # the state was read from a checkpoint (which therefore exists already)
+    tokenizer: Any = None  # the [eval] tasks' tokenizer; None without tasks
 
 
 # --- starting a run -------------------------------------------------------------------------
@@ -95,7 +98,10 @@ def start_run(
         reference = state.params if state.lora else _frozen_copy(train_cfg, dist, state, ckpt)
     valid = open_batches(train_cfg, state.model_config, dist.rank, dist.world_size, "valid")
     throughput = Throughput(state.step)
-    run = Run(train_cfg, dist, run_dir, reference, valid, throughput, log, ckpt is not None)
+    tokenizer = task_tokenizer(train_cfg)
+    run = Run(
+        train_cfg, dist, run_dir, reference, valid, throughput, log, ckpt is not None, tokenizer
+    )
     if dist.is_main:
         truncate_metrics(run_dir / "metrics.jsonl", state.step)
         config_json = json.dumps(msgspec.to_builtins(train_cfg), indent=2)
@@ -173,6 +179,28 @@ def evaluate(state: TrainState, run: Run) -> float | None:
     return loss_sum / max(weight, 1e-12)
 
 
+def task_tokenizer(train_cfg: TrainConfig) -> Tokenizer | None:
+    """The tokenizer the [eval] tasks read text with: `tokenizer`'s, else `init_from`'s."""
+    if not train_cfg.eval.tasks:
+        return None
+    for folder in (train_cfg.tokenizer, train_cfg.init_from):
+        if folder and (Path(folder) / "tokenizer.json").is_file():
+            return Tokenizer.from_pretrained(folder)
+    raise ValueError("[eval] tasks need a tokenizer: set `tokenizer` to its folder")
+
+
+def evaluate_on_tasks(state: TrainState, run: Run) -> dict[str, float]:
+    """The [eval] tasks on the current weights (LoRA merged), run by the main rank ->
+    {"eval/TASK/METRIC": value}; the other ranks wait for it."""
+    metrics = {}
+    if run.dist.is_main:
+        params = state.params if state.lora is None else merge_lora(state.params, state.lora)
+        model = model_of(params, state.model_config, run.tokenizer)
+        metrics = flat_metrics(evaluate_tasks(model, run.train_cfg.eval))
+    barrier()
+    return metrics
+
+
 def save_checkpoint(state: TrainState, run: Run) -> None:
     if run.dist.is_main:
         save_train_state(run.run_dir, state, run.train_cfg.keep_checkpoints)
@@ -187,12 +215,15 @@ def run_step(state: TrainState, batch: dict, run: Run) -> tuple[TrainState, dict
     run.throughput.update(metrics["tokens"])
     metrics = {"step": step, **metrics}
     due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
-    eval_now = due and run.valid is not None
+    eval_now = due and (run.valid is not None or bool(cfg.eval.tasks))
     log_now = run.dist.is_main and (step % cfg.log_every == 0 or eval_now or step == cfg.max_steps)
     if log_now:
         metrics["tokens_per_s"] = run.throughput.tokens_per_s()
     if eval_now:
-        metrics["eval_loss"] = evaluate(state, run)
+        if run.valid is not None:
+            metrics["eval_loss"] = evaluate(state, run)
+        if cfg.eval.tasks:
+            metrics.update(evaluate_on_tasks(state, run))
         run.throughput.reset_window()  # evaluation time is not training speed
     if log_now:
         append_metrics(run.run_dir / "metrics.jsonl", metrics)

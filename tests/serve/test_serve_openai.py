@@ -215,7 +215,11 @@ def test_completions(client):
         model=MODEL, prompt="Hello", max_tokens=5, temperature=0, echo=True, logprobs=2
     )
     assert echoed.choices[0].text == "Hello" + r.choices[0].text
-    assert len(echoed.choices[0].logprobs.tokens) == echoed.usage.completion_tokens
+    # with echo, as in OpenAI's API, the log-probs cover the prompt's tokens, then the new ones
+    usage, logprobs = echoed.usage, echoed.choices[0].logprobs
+    assert len(logprobs.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert "".join(logprobs.tokens[: usage.prompt_tokens]) == "Hello"
+    assert logprobs.token_logprobs[0] is None
     batch = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     streamed = client.completions.create(

@@ -1,0 +1,143 @@
+"""Choice and generation tasks on tiny data: the picks and scores they report are those
+worked out here from `forward` and from the scoring rules."""
+
+import json
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+import astrai
+from astrai.config import ConfigError, EvalTask, eval_config, load_eval_config
+from astrai.eval import evaluate_tasks, model_of, pass_at_k, scorer_for
+from astrai.eval.tasks import continuation_pair
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def load(model_dir):
+    params, cfg = astrai.load_pretrained(model_dir)
+    return model_of(params, cfg, astrai.Tokenizer.from_pretrained(model_dir))
+
+
+def option_logprob(model, context, option):
+    ctx, cont = continuation_pair(model.tokenizer, context, option)
+    logits = astrai.forward(model.params, model.cfg, torch.tensor([ctx + cont]))[0, :-1]
+    logp = F.log_softmax(logits.float(), -1)[len(ctx) - 1 :]
+    return logp.gather(-1, torch.tensor(cont)[:, None]).sum().item(), len(cont)
+
+
+def test_choice_picks_the_most_likely_option_three_ways(model_dir, tmp_path):
+    model = load(model_dir)
+    records = [
+        {"prompt": "the cat sat on the", "choices": [" mat", " twelve", " héllo wörld"], "answer": 0},
+        {"prompt": "twelve plus thirty is", "choices": [" 42", " the cat", " 1234"], "answer": 2},
+        {"prompt": "a longer line", "choices": [" of text", " of", " with commas and digits"], "answer": 1},
+    ]  # fmt: skip
+    data = write_jsonl(tmp_path / "choice.jsonl", records)
+    cfg = eval_config({"tasks": [{"name": "mc", "kind": "choice", "data": data}], "batch_size": 2})
+    metrics = evaluate_tasks(model, cfg)[0]["metrics"]
+    expected = {"accuracy": 0, "accuracy_per_token": 0, "accuracy_per_byte": 0}
+    for r in records:
+        scores = [option_logprob(model, r["prompt"], o) for o in r["choices"]]
+        sums = [s for s, _ in scores]
+        per_token = [s / n for s, n in scores]
+        per_byte = [s / len(o.encode()) for (s, _), o in zip(scores, r["choices"])]
+        for name, values in zip(expected, (sums, per_token, per_byte)):
+            expected[name] += values.index(max(values)) == r["answer"]
+    assert metrics == {**{k: v / len(records) for k, v in expected.items()}, "records": 3}
+
+
+def greedy(model, prompt, max_tokens):
+    """Greedy decoding by hand with `forward`, stopping at the tokenizer's stop tokens."""
+    ids = model.tokenizer.encode(prompt)
+    out = []
+    for _ in range(max_tokens):
+        nxt = int(
+            astrai.forward(model.params, model.cfg, torch.tensor([ids + out]))[0, -1].argmax()
+        )
+        if nxt in model.tokenizer.stop_ids:
+            break
+        out.append(nxt)
+    return model.tokenizer.decode(out)
+
+
+def test_generation_scores_engine_completions_exactly(model_dir, tmp_path):
+    model = load(model_dir)
+    prompts = ["the cat", "twelve plus", "a longer", "héllo"]
+    wanted = [greedy(model, p, 5) for p in prompts]
+    # two references are what greedy decoding writes, two are not
+    answers = [wanted[0], "not this", wanted[2], wanted[3] + "x"]
+    data = write_jsonl(
+        tmp_path / "gen.jsonl", [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+    )
+    task = {"name": "gen", "kind": "generation", "data": data, "chat": False, "max_tokens": 5}
+    result = evaluate_tasks(model, eval_config({"tasks": [task], "batch_size": 3}))[0]
+    assert result["metrics"]["accuracy"] == 0.5
+    assert result["metrics"]["examples"][0]["completion"] == wanted[0]
+
+
+def test_pass_at_k_with_several_samples(model_dir, tmp_path):
+    model = load(model_dir)
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat", "answer": "never said"}])
+    task = {"name": "s", "kind": "generation", "data": data, "chat": False, "samples": 3,
+            "temperature": 1.0, "max_tokens": 3}  # fmt: skip
+    metrics = evaluate_tasks(model, eval_config({"tasks": [task]}))[0]["metrics"]
+    assert metrics["pass@1"] == 0.0 and metrics["pass@3"] == 0.0 and metrics["accuracy"] == 0.0
+
+
+def test_pass_at_k_estimator():
+    assert pass_at_k(5, 0, 1) == 0.0
+    assert pass_at_k(5, 5, 3) == 1.0
+    assert pass_at_k(2, 1, 1) == 0.5
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+
+
+def scores(score, completions, answers, pattern=""):
+    task = EvalTask(name="t", kind="generation", data="x", score=score, pattern=pattern)
+    return scorer_for(task)(["p"] * len(completions), completions, answer=answers)
+
+
+def test_scorers():
+    assert scores("exact", [" 42\n", "42.0"], ["42", "42"]) == [1.0, 0.0]
+    assert scores("numeric", ["so 4 + 38 = 42.0", "it is 41", "none"], ["42", "41", "1"]) == [
+        1.0,
+        1.0,
+        0.0,
+    ]
+    assert scores("regex", ["so 1 + 2 = 3", "3"], ["1 + 2 = 3", "3"], pattern=r"so (.*)$") == [
+        1.0,
+        0.0,
+    ]
+    got = scores("astrai.train.rewards.exact_match", ["1 + 1 = 2", "1 + 1 = 3"], ["2", "2"])
+    assert got == [1.0, 0.0]
+
+
+def test_bad_config_names_the_key_and_the_file(tmp_path):
+    toml = tmp_path / "eval.toml"
+    toml.write_text(
+        '[eval]\n[[eval.tasks]]\nname = "a"\nkind = "generation"\ndata = "d"\ntemperature = -1\n'
+    )
+    with pytest.raises(ConfigError, match=r"eval.toml \[eval\].*temperature.*tasks\[0\]"):
+        load_eval_config(toml)
+    toml.write_text('[eval]\n[[eval.tasks]]\nname = "a"\nkind = "guess"\ndata = "d"\n')
+    with pytest.raises(ConfigError, match=r"eval.toml \[eval\].*tasks\[0\].kind"):
+        load_eval_config(toml)
+    toml.write_text(
+        '[eval]\nmodel = "m"\n[[eval.tasks]]\nname = "a"\nkind = "choice"\ndata = "d.jsonl"\n'
+    )
+    cfg = load_eval_config(toml)
+    assert cfg.tasks[0].data == str(tmp_path / "d.jsonl") and cfg.model == str(tmp_path / "m")
+    assert msgspec.to_builtins(cfg)["batch_size"] == 16
+
+
+def test_a_bad_record_names_file_and_line(model_dir, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": \n')
+    cfg = eval_config({"tasks": [{"name": "p", "kind": "perplexity", "data": str(path)}]})
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+        evaluate_tasks(load(model_dir), cfg)
