@@ -15,7 +15,7 @@ MIN_LOGPROB = -9999.0
 def chat_prompt(
     tokenizer, messages: list[dict], tools: list[dict] | None, prefix: str
 ) -> list[int]:
-    """Render and encode; `prefix` starts the answer (see tools.forced_prefix)."""
+    """Render and encode; `prefix` starts the answer (an assistant turn to continue)."""
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except (jinja2.TemplateError, TypeError, KeyError) as exc:

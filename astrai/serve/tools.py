@@ -108,15 +108,6 @@ def parse(text: str) -> tuple[str, list[ParsedCall]]:
     return step.text + last.text, [*step.calls, *last.calls]
 
 
-def forced_prefix(required: bool, name: str | None = None) -> str:
-    """Text the answer starts with so that the model must call a tool: a required call opens
-    the tag, a named one also writes the name. The model cannot refuse a call it is already
-    writing; without constrained decoding this is as close as we get."""
-    if name is not None:
-        return OPEN + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-    return OPEN + '\n{"name": "' if required else ""
-
-
 def tool_spec(name: str, description: str | None, parameters: dict | None) -> dict:
     """A tool as the chat template sees it: OpenAI's function shape, whichever API sent it, so
     the same tools render the same prompt from either API."""
