@@ -5,6 +5,9 @@ ones keep their tokens; max_tokens before the structure closes is "length"."""
 from __future__ import annotations
 
 import json
+import runpy
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -235,3 +238,44 @@ def test_mask_in_a_hand_written_loop(model):
     accept_token(matcher, int(out[0]))
     with pytest.raises(ConstraintError):
         accept_token(matcher, tok.encode("zzz")[0])
+
+
+# ---------------------------------------------------------------- just generate
+
+
+def run_generate(monkeypatch, *args):
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setattr(sys, "argv", ["generate.py", *args])
+    return runpy.run_path(str(root / "programs" / "generate.py"))["main"]()
+
+
+def test_generate_program_with_schemas(model, tmp_path, monkeypatch, capsys):
+    params, cfg, tok = model
+    ai.save_pretrained(tmp_path / "model", params, cfg, tokenizer=tok)
+    whole = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9}}, "required": ["n"],
+             "additionalProperties": False}  # fmt: skip
+    line_schema = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2}
+    (tmp_path / "schema.json").write_text(json.dumps(whole))
+    lines = [
+        {"prompt": "one"},
+        {"prompt": "two", "json_schema": line_schema},
+        {"prompt": "three", "choice": ["red", "green"]},
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    args = ["--model", str(tmp_path / "model"), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "40", "--seed", "1",
+            "--quiet"]  # fmt: skip
+    assert run_generate(monkeypatch, *args, "--json-schema", str(tmp_path / "schema.json")) == 0
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert all(r["finish_reason"] == "stop" for r in out), out
+    jsonschema.validate(json.loads(out[0]["text"]), whole)
+    jsonschema.validate(json.loads(out[1]["text"]), line_schema)
+    assert out[2]["text"] in ("red", "green")
+
+    (tmp_path / "in.jsonl").write_text(
+        '{"prompt": "x"}\n{"prompt": "y", "json_schema": {"not": {}}}\n'
+    )
+    assert run_generate(monkeypatch, *args) == 1
+    err = capsys.readouterr().err
+    assert "line 2" in err and "not" in err
