@@ -88,9 +88,15 @@ def grammar_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     tokenizer's stop ids as the tokens that end a finished grammar."""
     sizes = _TOKENIZERS.setdefault(tokenizer, {})
     if vocab_size not in sizes:
-        sizes[vocab_size] = llguidance.LLTokenizer(
-            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(tokenizer.stop_ids)
-        )
+        stops = sorted(tokenizer.stop_ids)
+        if not stops:
+            raise ConstraintError("constrained decoding needs a tokenizer with a stop token")
+        try:
+            sizes[vocab_size] = llguidance.LLTokenizer(
+                tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=stops
+            )
+        except ValueError as exc:  # e.g. a tokenizer that cannot tell the bytes of its tokens
+            raise ConstraintError(f"the grammar engine cannot read this tokenizer: {exc}") from None
     return sizes[vocab_size]
 
 
