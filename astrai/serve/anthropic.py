@@ -246,7 +246,6 @@ def final_events(blocks: Blocks) -> list:
 class MessageStream(msgspec.Struct):
     head: MessageResponse
     parse_tools: bool
-    prefix: str
     n_prompt: int
     stop_sequences: list[str]
 
@@ -266,7 +265,7 @@ async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
     def out(items: list) -> bytes:
         return b"".join(sse.named(event_name(e), e) for e in items)
 
-    blocks, pending, called = Blocks(), spec.prefix, False
+    blocks, pending, called = Blocks(), "", False
     async with contextlib.aclosing(events):
         yield out([MessageStart(spec.head)])
         async for _, event in events:
@@ -302,14 +301,14 @@ async def messages(state: AppState, body: bytes) -> Response:
     check_model(state, req.model)
     check_generates(state)
     prompt, with_tools = build_prompt(state, req)
-    constraint, prefix = tool_grammar(state, req), ""
+    constraint = tool_grammar(state, req)
     budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")
     kwargs = sampling_kwargs(req, budget)
     if constraint is not None:
         kwargs["constraint"] = constraint
     events = await open_choices(state.engine, [(prompt, kwargs)], state.metrics)
     head = MessageResponse(new_id("msg_"), state.model_name, [], None, None, Usage(len(prompt), 1))
-    spec = MessageStream(head, with_tools, prefix, len(prompt), req.stop_sequences or [])
+    spec = MessageStream(head, with_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
         return sse.EventStream(message_events(events, spec), events)
     (outcome,) = await collect(events, 1)
@@ -317,7 +316,7 @@ async def messages(state: AppState, body: bytes) -> Response:
         raise APIError(500, f"Generation failed: {outcome.error}")
     text, calls = outcome.text, []
     if spec.parse_tools:
-        text, calls = tools.parse(prefix + outcome.text)
+        text, calls = tools.parse(outcome.text)
     head.content = message_content(text, calls)
     head.stop_sequence = matched_sequence(outcome.stop_reason_text, spec.stop_sequences)
     head.stop_reason = stop_reason(outcome.finish_reason, head.stop_sequence, bool(calls))

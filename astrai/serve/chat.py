@@ -13,7 +13,7 @@ MIN_LOGPROB = -9999.0
 
 
 def chat_prompt(
-    tokenizer, messages: list[dict], tools: list[dict] | None, prefix: str
+    tokenizer, messages: list[dict], tools: list[dict] | None, prefix: str = ""
 ) -> list[int]:
     """Render and encode; `prefix` starts the answer (an assistant turn to continue)."""
     try:

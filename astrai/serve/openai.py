@@ -188,12 +188,10 @@ def raise_if_failed(outcomes: list[Completion]) -> None:
             raise APIError(500, f"Generation failed: {outcome.error}")
 
 
-def chat_choice(
-    i: int, outcome: Completion, tokenizer, parse_tools: bool, prefix: str, top
-) -> ChatChoice:
+def chat_choice(i: int, outcome: Completion, tokenizer, parse_tools: bool, top) -> ChatChoice:
     content, calls = outcome.text, []
     if parse_tools:
-        content, calls = tools.parse(prefix + outcome.text)
+        content, calls = tools.parse(outcome.text)
     tool_calls = [ToolCall(tools.call_id(), FunctionCall(c.name, c.arguments)) for c in calls]
     message_text = (content.strip() or None) if tool_calls else content
     return ChatChoice(
@@ -216,7 +214,6 @@ class ChatStream(msgspec.Struct):
     model: str
     n: int
     parse_tools: bool
-    prefix: str
     top_logprobs: int | None
     include_usage: bool
 
@@ -225,7 +222,7 @@ async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[byte
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
         return sse.data(ChatChunk(spec.id, spec.created, spec.model, choices, usage))
 
-    pending, calls_made, usages = [spec.prefix] * spec.n, [0] * spec.n, [None] * spec.n
+    pending, calls_made, usages = [""] * spec.n, [0] * spec.n, [None] * spec.n
     async with contextlib.aclosing(events):
         for i in range(spec.n):
             yield chunk([ChunkChoice(i, Delta(role="assistant", content=""))])
@@ -258,9 +255,8 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     top = (req.top_logprobs or 0) if req.logprobs else None
     check_sampling(state, req, top)
     specs, constraint = chat_tools(state, req)
-    prefix = ""
     messages = [template_message(m) for m in req.messages]
-    prompt = chat_prompt(state.tokenizer, messages, specs, prefix)
+    prompt = chat_prompt(state.tokenizer, messages, specs)
     requested = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     budget = token_budget(
@@ -274,7 +270,6 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
         state.model_name,
         req.n,
         specs is not None,
-        prefix,
         top,
         bool(req.stream_options and req.stream_options.include_usage),
     )
@@ -283,8 +278,7 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     outcomes = await collect(events, req.n)
     raise_if_failed(outcomes)
     choices = [
-        chat_choice(i, o, state.tokenizer, spec.parse_tools, prefix, top)
-        for i, o in enumerate(outcomes)
+        chat_choice(i, o, state.tokenizer, spec.parse_tools, top) for i, o in enumerate(outcomes)
     ]
     usage = usage_of([o.usage for o in outcomes], req.n)
     return json_response(ChatCompletion(spec.id, spec.created, spec.model, choices, usage))
