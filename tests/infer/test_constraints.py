@@ -151,13 +151,18 @@ def test_free_requests_keep_their_greedy_tokens(model):
     )[1]
     for r in free:
         assert mixed[r.id] == alone[r.id]
-    # the Engine thread, too
+    # the Engine thread, too: free and constrained requests submitted side by side
     engine = Engine(params, cfg, tok, max_batch=8, page_size=8)
     try:
-        outs = engine.generate(
-            [r.prompt for r in free], max_tokens=12, temperature=0.0, ignore_eos=True
-        )
-        assert [o.token_ids for o in outs] == [alone[r.id] for r in free]
+        greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+        ids = [engine.submit(free[0].prompt, **greedy)]
+        ids.append(engine.submit("Write JSON:", max_tokens=40, seed=3, constraint=json_object()))
+        ids += [engine.submit(r.prompt, **greedy) for r in free[1:]]
+        results = [engine.result(i) for i in ids]
+        assert [results[0].token_ids, *(r.token_ids for r in results[2:])] == [
+            alone[r.id] for r in free
+        ]
+        assert results[1].text.startswith("{")
     finally:
         engine.close()
 
