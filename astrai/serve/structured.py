@@ -25,6 +25,7 @@ from astrai.infer.constraints import (
     start_constraint,
 )
 from astrai.serve.errors import bad_request
+from astrai.serve.schemas_openai import JsonObjectFormat, JsonSchemaFormat
 from astrai.serve.tools import CLOSE, OPEN
 
 # Text without a call tag: what `auto` lets the model write instead of calls.
@@ -146,12 +147,11 @@ def one_constraint(candidates: list[tuple[str, Constraint]]) -> tuple[str, Const
 
 def format_constraints(req) -> list[tuple[str, Constraint]]:
     """OpenAI's response_format and vLLM's extra fields of a chat or text completion request."""
-    out = []
-    rf = req.response_format
-    kind = getattr(rf, "json_schema", None)
-    if kind is not None:
-        out.append(("response_format", build(lambda: json_schema(kind.schema), "response_format")))
-    elif type(rf).__name__ == "JsonObjectFormat":
+    out, rf = [], req.response_format
+    if isinstance(rf, JsonSchemaFormat):
+        schema = rf.json_schema.schema
+        out.append(("response_format", build(lambda: json_schema(schema), "response_format")))
+    elif isinstance(rf, JsonObjectFormat):
         out.append(("response_format", build(json_object, "response_format")))
     so = req.structured_outputs
     fields = {
