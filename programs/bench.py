@@ -5,7 +5,7 @@
 Our code and transformers run side by side on the same weights and inputs, in alternating
 rounds, and the table reports ratios (on a shared machine absolute numbers are noise; ratios
 measured side by side are not). Sections: limit, decode, throughput, prefill, train,
-serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, and chart.png when
+structured, serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, and chart.png when
 matplotlib is installed); docs/benchmarks.md explains how to read them. The benchmark itself
 lives in programs/benchmark/, outside the astrai package.
 """

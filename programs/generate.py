@@ -5,7 +5,9 @@
 Each input line is {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}, ...]}
 (rendered with the model's chat template). A line may also carry sampling fields
 ("max_tokens", "temperature", "stop", ...) that override the command line for that prompt,
-and an "id" that is copied to its output line. Output lines come in input order:
+and an "id" that is copied to its output line. Output can be held to a form: "json_schema" (a
+JSON schema), "regex" or "choice" (a list of strings) on a line, or --json-schema FILE for every
+line that gives none of them. Output lines come in input order:
 {"index", "id"?, "text", "finish_reason", "usage": {"prompt_tokens", "cached_tokens",
 "completion_tokens"}}. A progress line goes to stderr.
 """
@@ -20,8 +22,13 @@ import time
 import torch
 
 import astrai as ai
-from astrai.infer import Engine, SamplingParams
+from astrai.infer import ConstraintError, Engine, SamplingParams
+from astrai.infer.constraints import choice, json_schema, regex
 from astrai.tokenizer import Tokenizer
+
+# the fields of a line that hold its output to a form, and how each becomes a grammar
+FORMS = {"json_schema": json_schema, "regex": regex, "choice": choice}
+SAMPLING_FIELDS = set(SamplingParams.__struct_fields__) - {"constraint"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,13 +51,35 @@ def read_requests(path: str) -> list[dict]:
                 raise InputError(f"{where}: invalid JSON: {exc}") from None
             if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
                 raise InputError(f'{where}: expected an object with "prompt" or "messages"')
-            unknown = (
-                set(record) - {"prompt", "messages", "id"} - set(SamplingParams.__struct_fields__)
-            )
+            unknown = set(record) - {"prompt", "messages", "id", *FORMS} - SAMPLING_FIELDS
             if unknown:
                 raise InputError(f"{where}: unknown fields {sorted(unknown)}")
+            forms = [k for k in FORMS if k in record]
+            if len(forms) > 1:
+                raise InputError(f"{where}: give one of {forms}, not several")
             requests.append({**record, "where": where})
     return requests
+
+
+def constraint_of(record: dict, default):
+    """The line's own form, else the file's (--json-schema); ConstraintError names a bad one."""
+    for field, make in FORMS.items():
+        if field in record:
+            try:
+                return make(record[field])
+            except ValueError as exc:
+                raise ConstraintError(f"{field}: {exc}") from None
+    return default
+
+
+def read_schema(path: str | None):
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json_schema(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--json-schema {path}: {exc}") from None
 
 
 def prompt_of(record: dict, tokenizer: Tokenizer) -> str:
@@ -72,6 +101,7 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, help="seed of every request (reproducible runs)")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--json-schema", help="a JSON schema file every output must follow")
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -86,6 +116,7 @@ def main() -> int:
     }
     try:
         requests = read_requests(args.input)
+        file_constraint = read_schema(args.json_schema)
         params, cfg = ai.load_pretrained(args.model)
         tokenizer = Tokenizer.from_pretrained(args.model)
     except (InputError, FileNotFoundError, ValueError) as exc:
@@ -97,10 +128,9 @@ def main() -> int:
     try:
         ids = []
         for record in requests:
-            sampling = defaults | {
-                k: v for k, v in record.items() if k in SamplingParams.__struct_fields__
-            }
+            sampling = defaults | {k: v for k, v in record.items() if k in SAMPLING_FIELDS}
             try:
+                sampling["constraint"] = constraint_of(record, file_constraint)
                 ids.append(engine.submit(prompt_of(record, tokenizer), **sampling))
             except ValueError as exc:  # PromptTooLong, a bad sampling field, ...
                 raise InputError(f"{record['where']}: {exc}") from None

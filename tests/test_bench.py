@@ -47,7 +47,7 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     assert results["meta"]["size"] == "tiny"
     assert all(s["status"] == "ok" for s in results["sections"].values()), results["sections"]
     sections = {row["section"] for row in results["rows"]}
-    assert sections == {"limit", "decode", "throughput", "prefill", "train", "serve"}
+    assert sections == {"limit", "decode", "throughput", "prefill", "train", "structured", "serve"}
     for row in results["rows"]:
         assert row["ours"] > 0, row
         if "ratio" in row:

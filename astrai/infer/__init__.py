@@ -2,6 +2,13 @@
 continuous batching as pure functions over an engine state (step.py) and the Engine that runs
 them on a background thread."""
 
+from astrai.infer.constraints import (
+    Constraint,
+    ConstraintError,
+    accept_token,
+    allowed_tokens,
+    start_constraint,
+)
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
     Completion,
@@ -41,6 +48,8 @@ from astrai.infer.step import (
 
 __all__ = [
     "Completion",
+    "Constraint",
+    "ConstraintError",
     "Engine",
     "EngineState",
     "Overloaded",
@@ -50,8 +59,10 @@ __all__ = [
     "SamplingParams",
     "StreamEvent",
     "Usage",
+    "accept_token",
     "add_request",
     "alloc_pages",
+    "allowed_tokens",
     "cancel_request",
     "clear_prefix_cache",
     "decode_step",
@@ -72,5 +83,6 @@ __all__ = [
     "sample",
     "sample_requests",
     "share_pages",
+    "start_constraint",
     "token_logprobs",
 ]

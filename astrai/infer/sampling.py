@@ -1,8 +1,8 @@
 """Sampling: the next token from logits, with per-row settings as tensors.
 
 `sample` is a pure function of the logits, the settings and the random generators, applied in
-this order: penalties over recent tokens, logit bias, temperature (0 = greedy), top-k, top-p,
-min-p, then one uniform draw per row. Each row may have its own `torch.Generator`, so a request
+this order: penalties over recent tokens, logit bias, the grammar's mask of allowed tokens,
+temperature (0 = greedy), top-k, top-p, min-p, then one uniform draw per row. Each row may have its own `torch.Generator`, so a request
 with a seed gives the same tokens whatever else shares its batch.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 import torch
+
+from astrai.infer.constraints import Constraint
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -31,6 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False  # True: only stop_token_ids stop, not the tokenizer's
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Constraint | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         checks = [
@@ -117,13 +120,15 @@ def sample(
     presence_penalty=0.0,
     recent_tokens: torch.Tensor | None = None,
     logit_bias: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token ids [B] from logits [B, vocab].
 
     Each setting is a number for the whole batch or a [B] tensor, one value per row.
     generator: one torch.Generator for the batch, or a list with one per row (None = torch's
     global generator). recent_tokens [B, W] (-1 = empty) are what the penalties look at;
-    logit_bias [B, vocab] is added to the logits.
+    logit_bias [B, vocab] is added to the logits. allowed [B, vocab] (bool) masks out every
+    token it marks False, before any other stage sees the logits (see constraints.py).
     """
     B, V = logits.shape
     device = logits.device
@@ -136,6 +141,8 @@ def sample(
         )
     if logit_bias is not None:
         logits = logits + logit_bias
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_ids = logits.argmax(-1)
     if _is(temperature, 0.0):
         return greedy_ids
@@ -181,10 +188,12 @@ def sample_requests(
     settings: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: list[list[int]],
+    allowed: torch.Tensor | None = None,
 ) -> list[tuple[int, dict | None]]:
     """Sample one token per row, each row with its own request's settings and generator.
 
-    histories are the rows' tokens so far (for the penalty windows). Returns, per row, the
+    histories are the rows' tokens so far (for the penalty windows); allowed the rows' masks of
+    allowed tokens (see constraints.allowed_tokens), None when no row is constrained. Returns, per row, the
     token id and, when the request asked for log-probs, {"token_id", "logprob", "top"}.
     """
 
@@ -221,6 +230,7 @@ def sample_requests(
         presence_penalty=per_row("presence_penalty"),
         recent_tokens=recent,
         logit_bias=bias,
+        allowed=allowed,
     )
     id_list = ids.tolist()
     logprobs: list[dict | None] = [None] * len(settings)

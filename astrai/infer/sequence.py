@@ -28,6 +28,7 @@ class Sequence:
     # its text
     decoder: object | None = None  # the tokenizer's stream decoder
     held: str = ""  # decoded text not yet emitted (it could start a stop string)
+    matcher: object | None = None  # the grammar's state when sampling.constraint is set
     # its pages (the scheduler's)
     arrival: int = 0  # admission order; the newest running sequence is preempted first
     pages: list[int] = field(default_factory=list)

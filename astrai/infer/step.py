@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from astrai.config import EngineConfig, ModelConfig, engine_config, from_dict, to_dict
+from astrai.infer.constraints import accept_token, allowed_tokens, is_finished, start_constraint
 from astrai.infer.events import PromptTooLong, StreamEvent, Usage
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
@@ -180,6 +181,11 @@ def new_sequence(state: EngineState, request: Request) -> Sequence:
     if not sp.ignore_eos and tok is not None:
         stop_ids |= tok.stop_ids
     seed = sp.seed if sp.seed is not None else random.getrandbits(63)
+    matcher = (
+        start_constraint(sp.constraint, tok, state.cfg.vocab_size)
+        if sp.constraint is not None
+        else None
+    )
     return Sequence(
         id=request.id,
         tokens=tokens,
@@ -189,6 +195,7 @@ def new_sequence(state: EngineState, request: Request) -> Sequence:
         generator=torch.Generator().manual_seed(seed),
         max_len=max_len,
         decoder=tok.stream_decoder() if tok is not None else None,
+        matcher=matcher,
     )
 
 
@@ -322,8 +329,11 @@ def _flush(seq: Sequence) -> str:
 def _take_token(
     state: EngineState, seq: Sequence, token: int, logprob: dict | None
 ) -> tuple[EngineState, StreamEvent]:
-    """Append one sampled token: detokenize it, check the stop conditions, make its event."""
+    """Append one sampled token: detokenize it, check the stop conditions, make its event.
+    A finished grammar stops the request; max_tokens before that gives "length"."""
     seq.tokens.append(token)
+    if seq.matcher is not None:
+        seq.matcher = accept_token(seq.matcher, token)
     state.totals.completion_tokens += 1
     finish, matched, text = None, None, ""
     if token in seq.stop_ids:
@@ -335,9 +345,12 @@ def _take_token(
         text, seq.held, hit = scan_stops(seq.held, seq.sampling.stop)
         if hit is not None:
             finish, matched = "stop", hit
+    grammar_done = seq.matcher is not None and is_finished(seq.matcher)
+    if finish is None and grammar_done:
+        finish = "stop"
     if finish is None and len(seq.tokens) >= seq.max_len:
         finish = "length"
-    if finish == "length" or token in seq.stop_ids:
+    if finish == "length" or token in seq.stop_ids or grammar_done:
         text += _flush(seq)
     event = StreamEvent(
         request_id=seq.id,
@@ -376,6 +389,7 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
                 [seq.sampling for seq in rows],
                 [seq.generator for seq in rows],
                 [seq.tokens for seq in rows],
+                allowed_tokens([seq.matcher for seq in rows], logits.shape[-1], logits.device),
             )
             if rows
             else []

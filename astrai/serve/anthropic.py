@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response
 
-from astrai.serve import sse, tools
+from astrai.infer import Constraint
+from astrai.serve import sse, structured, tools
 from astrai.serve.chat import chat_prompt
 from astrai.serve.errors import APIError, anthropic_body, bad_request, from_decode_error
 from astrai.serve.schemas_anthropic import (
@@ -114,20 +115,34 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
     return turns
 
 
-def message_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | None, str]:
-    """(tools for the template, forced answer prefix), as in the OpenAI module."""
+def message_tools(req: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+    """The tools for the template; none with tool_choice none."""
     choice = req.tool_choice
     if not req.tools or isinstance(choice, ToolChoiceNone):
-        return None, ""
-    specs = [tools.tool_spec(t.name, t.description, t.input_schema) for t in req.tools]
+        return None
     if isinstance(choice, ToolChoiceTool):
         names = [t.name for t in req.tools]
         if choice.name not in names:
             raise bad_request(
                 f"tool_choice.name: `{choice.name}` is not among tools {names}.", "tool_choice"
             )
-        return specs, tools.forced_prefix(True, choice.name)
-    return specs, tools.forced_prefix(isinstance(choice, ToolChoiceAny))
+    return [tools.tool_spec(t.name, t.description, t.input_schema) for t in req.tools]
+
+
+def tool_grammar(state: AppState, req: MessagesRequest) -> Constraint | None:
+    """The answer's grammar: `any` forces calls of any tool, `tool` a call of that one (its
+    input following the tool's input_schema), `auto` text or calls."""
+    choice = req.tool_choice
+    if not req.tools or isinstance(choice, ToolChoiceNone):
+        return None
+    functions = {t.name: t.input_schema for t in req.tools}
+    named = isinstance(choice, ToolChoiceTool)
+    mode = "named" if named else "required" if isinstance(choice, ToolChoiceAny) else "auto"
+    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    return structured.request_constraint(
+        None, state.tokenizer, state.vocab_size, functions, mode,
+        choice.name if named else None, parallel,
+    )  # fmt: skip
 
 
 def split_prefill(turns: list[dict]) -> tuple[list[dict], str]:
@@ -140,11 +155,11 @@ def split_prefill(turns: list[dict]) -> tuple[list[dict], str]:
 
 
 def build_prompt(state: AppState, req: MessagesRequest | CountTokensRequest):
-    """-> (prompt ids, forced tool-call prefix, whether tools are in play)."""
-    specs, forced = message_tools(req)
+    """-> (prompt ids, whether tools are in play)."""
+    specs = message_tools(req)
     turns, prefill = split_prefill(template_messages(req))
-    prompt = chat_prompt(state.tokenizer, turns, specs, prefill + forced)
-    return prompt, forced, specs is not None
+    prompt = chat_prompt(state.tokenizer, turns, specs, prefill)
+    return prompt, specs is not None
 
 
 def sampling_kwargs(req: MessagesRequest, max_tokens: int) -> dict:
@@ -231,7 +246,6 @@ def final_events(blocks: Blocks) -> list:
 class MessageStream(msgspec.Struct):
     head: MessageResponse
     parse_tools: bool
-    prefix: str
     n_prompt: int
     stop_sequences: list[str]
 
@@ -251,7 +265,7 @@ async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
     def out(items: list) -> bytes:
         return b"".join(sse.named(event_name(e), e) for e in items)
 
-    blocks, pending, called = Blocks(), spec.prefix, False
+    blocks, pending, called = Blocks(), "", False
     async with contextlib.aclosing(events):
         yield out([MessageStart(spec.head)])
         async for _, event in events:
@@ -286,13 +300,15 @@ async def messages(state: AppState, body: bytes) -> Response:
     req = decode(_messages_decoder, body)
     check_model(state, req.model)
     check_generates(state)
-    prompt, prefix, with_tools = build_prompt(state, req)
+    prompt, with_tools = build_prompt(state, req)
+    constraint = tool_grammar(state, req)
     budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")
-    events = await open_choices(
-        state.engine, [(prompt, sampling_kwargs(req, budget))], state.metrics
-    )
+    kwargs = sampling_kwargs(req, budget)
+    if constraint is not None:
+        kwargs["constraint"] = constraint
+    events = await open_choices(state.engine, [(prompt, kwargs)], state.metrics)
     head = MessageResponse(new_id("msg_"), state.model_name, [], None, None, Usage(len(prompt), 1))
-    spec = MessageStream(head, with_tools, prefix, len(prompt), req.stop_sequences or [])
+    spec = MessageStream(head, with_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
         return sse.EventStream(message_events(events, spec), events)
     (outcome,) = await collect(events, 1)
@@ -300,7 +316,7 @@ async def messages(state: AppState, body: bytes) -> Response:
         raise APIError(500, f"Generation failed: {outcome.error}")
     text, calls = outcome.text, []
     if spec.parse_tools:
-        text, calls = tools.parse(prefix + outcome.text)
+        text, calls = tools.parse(outcome.text)
     head.content = message_content(text, calls)
     head.stop_sequence = matched_sequence(outcome.stop_reason_text, spec.stop_sequences)
     head.stop_reason = stop_reason(outcome.finish_reason, head.stop_sequence, bool(calls))
@@ -311,5 +327,5 @@ async def messages(state: AppState, body: bytes) -> Response:
 async def count_tokens(state: AppState, body: bytes) -> Response:
     req = decode(_count_decoder, body)
     check_model(state, req.model)
-    prompt, _, _ = build_prompt(state, req)
+    prompt, _ = build_prompt(state, req)
     return Response(_encode(TokenCount(len(prompt))), media_type="application/json")

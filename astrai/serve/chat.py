@@ -14,9 +14,9 @@ MIN_LOGPROB = -9999.0
 
 
 def chat_prompt(
-    tokenizer, messages: list[dict], tools: list[dict] | None, prefix: str
+    tokenizer, messages: list[dict], tools: list[dict] | None, prefix: str = ""
 ) -> list[int]:
-    """Render and encode; `prefix` starts the answer (see tools.forced_prefix)."""
+    """Render and encode; `prefix` starts the answer (an assistant turn to continue)."""
     try:
         if not reads_content_parts(tokenizer.template_for(tools)):
             messages = [joined_parts(m) for m in messages]

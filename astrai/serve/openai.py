@@ -15,9 +15,9 @@ import msgspec
 from starlette.responses import Response
 
 from astrai.eval.loglik import score_pairs
-from astrai.infer import Completion
+from astrai.infer import Completion, Constraint
 from astrai.infer.events import Usage as EngineUsage
-from astrai.serve import sse, tools
+from astrai.serve import sse, structured, tools
 from astrai.serve.chat import chat_prompt, check_token_ids, finite, prompt_ids, token_text
 from astrai.serve.errors import APIError, bad_request, from_decode_error, openai_body
 from astrai.serve.schemas_openai import (
@@ -81,7 +81,9 @@ def stop_list(stop: str | list[str] | None) -> list[str] | None:
     return [s for s in stops if s] or None
 
 
-def sampling_kwargs(req: SamplingFields, max_tokens: int, top_logprobs: int | None) -> dict:
+def sampling_kwargs(
+    req: SamplingFields, max_tokens: int, top_logprobs: int | None, constraint=None
+) -> dict:
     """Engine keyword arguments; what the client left out keeps the engine's default."""
     kwargs = {
         "max_tokens": max_tokens,
@@ -97,6 +99,7 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int, top_logprobs: int | No
         "stop": stop_list(req.stop),
         "logprobs": True if top_logprobs is not None else None,
         "top_logprobs": top_logprobs or None,
+        "constraint": constraint,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -129,24 +132,31 @@ def template_message(message: ChatMessage) -> dict:
     return data
 
 
-def chat_tools(req: ChatRequest) -> tuple[list[dict] | None, str]:
-    """(tools for the template, forced answer prefix); no tools at all with tool_choice none."""
+def chat_tools(state: AppState, req: ChatRequest) -> tuple[list[dict] | None, Constraint | None]:
+    """(tools for the template, the grammar of the answer); no tools at all with tool_choice
+    none. A required or named tool choice makes the answer a call whose arguments follow the
+    function's parameters; auto lets it be text or calls."""
     if not req.tools or req.tool_choice == "none":
-        return None, ""
+        return None, structured.request_constraint(req, state.tokenizer, state.vocab_size)
     specs = [
         tools.tool_spec(t.function.name, t.function.description, t.function.parameters)
         for t in req.tools
     ]
-    choice = req.tool_choice
+    functions = {t.function.name: t.function.parameters for t in req.tools}
+    choice, name = req.tool_choice, None
     if isinstance(choice, NamedToolChoice):
-        names = [t.function.name for t in req.tools]
-        if choice.function.name not in names:
+        name = choice.function.name
+        if name not in functions:
             raise bad_request(
-                f"tool_choice names `{choice.function.name}`, which is not among tools {names}.",
+                f"tool_choice names `{name}`, which is not among tools {list(functions)}.",
                 "tool_choice",
             )
-        return specs, tools.forced_prefix(True, choice.function.name)
-    return specs, tools.forced_prefix(choice == "required")
+    mode = "named" if name else "required" if choice == "required" else "auto"
+    parallel = req.parallel_tool_calls is not False
+    constraint = structured.request_constraint(
+        req, state.tokenizer, state.vocab_size, functions, mode, name, parallel
+    )
+    return specs, constraint
 
 
 # ---------------------------------------------------------------- engine output -> response
@@ -189,12 +199,10 @@ def raise_if_failed(outcomes: list[Completion]) -> None:
             raise APIError(500, f"Generation failed: {outcome.error}")
 
 
-def chat_choice(
-    i: int, outcome: Completion, tokenizer, parse_tools: bool, prefix: str, top
-) -> ChatChoice:
+def chat_choice(i: int, outcome: Completion, tokenizer, parse_tools: bool, top) -> ChatChoice:
     content, calls = outcome.text, []
     if parse_tools:
-        content, calls = tools.parse(prefix + outcome.text)
+        content, calls = tools.parse(outcome.text)
     tool_calls = [ToolCall(tools.call_id(), FunctionCall(c.name, c.arguments)) for c in calls]
     message_text = (content.strip() or None) if tool_calls else content
     return ChatChoice(
@@ -217,7 +225,6 @@ class ChatStream(msgspec.Struct):
     model: str
     n: int
     parse_tools: bool
-    prefix: str
     top_logprobs: int | None
     include_usage: bool
 
@@ -226,7 +233,7 @@ async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[byte
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
         return sse.data(ChatChunk(spec.id, spec.created, spec.model, choices, usage))
 
-    pending, calls_made, usages = [spec.prefix] * spec.n, [0] * spec.n, [None] * spec.n
+    pending, calls_made, usages = [""] * spec.n, [0] * spec.n, [None] * spec.n
     async with contextlib.aclosing(events):
         for i in range(spec.n):
             yield chunk([ChunkChoice(i, Delta(role="assistant", content=""))])
@@ -258,15 +265,15 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     req = decode(_chat_decoder, body)
     top = (req.top_logprobs or 0) if req.logprobs else None
     check_sampling(state, req, top)
-    specs, prefix = chat_tools(req)
+    specs, constraint = chat_tools(state, req)
     messages = [template_message(m) for m in req.messages]
-    prompt = chat_prompt(state.tokenizer, messages, specs, prefix)
+    prompt = chat_prompt(state.tokenizer, messages, specs)
     requested = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     budget = token_budget(
         len(prompt), requested, state.context, state.serve_cfg.default_max_tokens, param, "messages"
     )
-    kwargs = choice_kwargs(sampling_kwargs(req, budget, top), req.n)
+    kwargs = choice_kwargs(sampling_kwargs(req, budget, top, constraint), req.n)
     events = await open_choices(state.engine, [(prompt, k) for k in kwargs], state.metrics)
     spec = ChatStream(
         new_id("chatcmpl-"),
@@ -274,7 +281,6 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
         state.model_name,
         req.n,
         specs is not None,
-        prefix,
         top,
         bool(req.stream_options and req.stream_options.include_usage),
     )
@@ -283,8 +289,7 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     outcomes = await collect(events, req.n)
     raise_if_failed(outcomes)
     choices = [
-        chat_choice(i, o, state.tokenizer, spec.parse_tools, prefix, top)
-        for i, o in enumerate(outcomes)
+        chat_choice(i, o, state.tokenizer, spec.parse_tools, top) for i, o in enumerate(outcomes)
     ]
     usage = usage_of([o.usage for o in outcomes], req.n)
     return json_response(ChatCompletion(spec.id, spec.created, spec.model, choices, usage))
@@ -384,6 +389,7 @@ async def completions(state: AppState, body: bytes) -> Response:
             "n",
         )
     check_echo(req, prompts, state.context)
+    constraint = structured.request_constraint(req, state.tokenizer, state.vocab_size)
     requests = []
     for ids in prompts:
         if req.max_tokens == 0:
@@ -393,7 +399,7 @@ async def completions(state: AppState, body: bytes) -> Response:
             len(ids), req.max_tokens, state.context, COMPLETIONS_DEFAULT_MAX_TOKENS,
             "max_tokens", "prompt",
         )  # fmt: skip
-        kwargs = sampling_kwargs(req, budget, top)
+        kwargs = sampling_kwargs(req, budget, top, constraint)
         requests += [(ids, k) for k in choice_kwargs(kwargs, req.n)]
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in requests]
     head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])

@@ -80,6 +80,38 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(Struct):
+    name: str
+    schema: dict[str, Any] | bool = {}
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(Struct, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StructuredOutputs(Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` extra body field: one of these."""
+
+    json: dict[str, Any] | bool | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """What chat and text completions share."""
 
@@ -99,6 +131,13 @@ class SamplingFields(Struct, kw_only=True):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra body fields for constrained decoding (the newer one and the older names)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(SamplingFields, kw_only=True):

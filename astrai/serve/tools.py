@@ -58,6 +58,18 @@ def _partial_tag_at_end(text: str) -> int:
     return 0
 
 
+def _close_of(buf: str, start: int) -> tuple[int, ParsedCall | None]:
+    """The closing tag that ends the call opened at `start`: the first after which the body is a
+    call (a closing tag may sit inside one of its JSON strings). (-1, None): none yet."""
+    end = buf.find(CLOSE, start)
+    while end >= 0:
+        call = parse_call(buf[start + len(OPEN) : end])
+        if call is not None:
+            return end, call
+        end = buf.find(CLOSE, end + 1)
+    return -1, None
+
+
 def feed(pending: str, delta: str) -> Step:
     """Held-back text + a new delta -> what can be shown, finished calls, what stays held."""
     buf, text, calls = pending + delta, [], []
@@ -68,24 +80,28 @@ def feed(pending: str, delta: str) -> Step:
             text.append(buf[: len(buf) - keep])
             return Step("".join(text), tuple(calls), buf[len(buf) - keep :])
         text.append(buf[:start])
-        end = buf.find(CLOSE, start)
-        if end < 0:
+        end, call = _close_of(buf, start)
+        if call is None:  # unfinished, or not a call after all (finish tells)
             return Step("".join(text), tuple(calls), buf[start:])
-        call = parse_call(buf[start + len(OPEN) : end])
-        if call is None:  # not a call after all: show it as it was written
-            text.append(buf[start : end + len(CLOSE)])
-        else:
-            calls.append(call)
+        calls.append(call)
         buf = buf[end + len(CLOSE) :]
 
 
 def finish(pending: str) -> Step:
-    """The output ended: an unclosed call still counts if its JSON is whole."""
-    if pending.startswith(OPEN):
-        call = parse_call(pending[len(OPEN) :])
-        if call is not None:
-            return Step("", (call,), "")
-    return Step(pending, (), "")
+    """The output ended: an unclosed call still counts if its JSON is whole; a call tag that
+    never became a call is shown as it was written, up to its first closing tag."""
+    if not pending.startswith(OPEN):
+        return Step(pending, (), "")
+    call = parse_call(pending[len(OPEN) :])
+    if call is not None:
+        return Step("", (call,), "")
+    end = pending.find(CLOSE)
+    if end < 0:
+        return Step(pending, (), "")
+    head = pending[: end + len(CLOSE)]
+    rest = feed("", pending[end + len(CLOSE) :])
+    last = finish(rest.pending)
+    return Step(head + rest.text + last.text, rest.calls + last.calls, "")
 
 
 def stream_step(parse_tools: bool, pending: str, event) -> Step:
@@ -106,15 +122,6 @@ def parse(text: str) -> tuple[str, list[ParsedCall]]:
     step = feed("", text)
     last = finish(step.pending)
     return step.text + last.text, [*step.calls, *last.calls]
-
-
-def forced_prefix(required: bool, name: str | None = None) -> str:
-    """Text the answer starts with so that the model must call a tool: a required call opens
-    the tag, a named one also writes the name. The model cannot refuse a call it is already
-    writing; without constrained decoding this is as close as we get."""
-    if name is not None:
-        return OPEN + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-    return OPEN + '\n{"name": "' if required else ""
 
 
 def tool_spec(name: str, description: str | None, parameters: dict | None) -> dict:

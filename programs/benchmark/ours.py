@@ -39,9 +39,13 @@ def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dty
     )
 
 
-def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def engine_generate(
+    engine, prompts: list[list[int]], new_tokens: int, **sampling
+) -> list[list[int]]:
     """Greedy completions of exactly new_tokens each; fails loudly if one stopped early."""
-    completions = engine.generate(prompts, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    completions = engine.generate(
+        prompts, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, **sampling
+    )
     out = [c.token_ids for c in completions]
     short = [len(ids) for ids in out if len(ids) != new_tokens]
     if short:
@@ -135,3 +139,33 @@ def train_step_fn(params, cfg: ModelConfig, work: Workload, compile: bool, hyper
         return metrics["loss"]
 
     return step
+
+
+# A JSON array of records that never closes, so that a constrained request decodes exactly as
+# many tokens as a free one while its mask is computed at every step.
+ENDLESS_RECORDS = (
+    'start: "[" items\n'
+    'items: item ", " items\n'  # no way out: the array never closes
+    'item: %json {"x-guidance": {"whitespace_flexible": false, "key_separator": ": ", '
+    '"item_separator": ", "}, "type": "object", "properties": {"id": {"type": "integer", '
+    '"minimum": 0, "maximum": 999}, "name": {"type": "string", "maxLength": 12}, "tags": '
+    '{"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}}, '
+    '"required": ["id", "name", "tags"], "additionalProperties": false}'
+)
+
+
+def json_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on JSON records, at most vocab_size tokens (the
+    model's extra rows are never allowed to a constrained request)."""
+    from astrai.tokenizer import Tokenizer
+
+    records = [
+        f'{{"id": {i}, "name": "item {i % 97}", "tags": ["red", "blue"]}}' for i in range(2000)
+    ]
+    return Tokenizer.train([", ".join(records)], vocab_size=min(vocab_size, 2048))
+
+
+def endless_records():
+    from astrai.infer.constraints import lark
+
+    return lark(ENDLESS_RECORDS)

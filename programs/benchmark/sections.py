@@ -299,6 +299,31 @@ def _note_graph_breaks(b: Bench) -> None:
         )
 
 
+def structured(b: Bench) -> None:
+    """Greedy decoding with every request held to a JSON grammar against free decoding, at
+    batch 1 and 16: what computing the masks costs (target: at most 10% at batch 16)."""
+    n = b.work.new_tokens
+    # A grammar needs a byte-level tokenizer (the run's word-level one has no bytes). Free
+    # decoding runs on the run's Engine, whose every token decodes to a short word: random
+    # weights under the JSON tokenizer would pick ids past its vocabulary, whose decoding
+    # costs more than the mask.
+    tokenizer = ours.json_tokenizer(b.cfg.vocab_size)
+    json_engine = ours.make_engine(b.params, b.cfg, tokenizer, b.work, b.device, b.dtype)
+    constraint, free_engine = ours.endless_records(), engine_of(b)
+    calls = {
+        "constrained": lambda p: ours.engine_generate(json_engine, p, n, constraint=constraint),
+        "free": lambda p: ours.engine_generate(free_engine, p, n),
+    }
+    for c in (1, 16):
+        batches = [b.prompts(c, seed=500 * c + r) for r in range(b.work.rounds + 1)]
+        rates = b.measure(calls, batches, c * n)
+        target = 0.9 if c == 16 and b.size != "tiny" else None
+        label = f"JSON-constrained decoding, batch {c}"
+        b.rows.append(compare("structured", label, "tok/s", rates["constrained"], rates["free"],
+                              "free decoding", target))  # fmt: skip
+    json_engine.close()
+
+
 # --- serving -----------------------------------------------------------------------------------
 
 
@@ -336,5 +361,6 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "throughput": throughput,
     "prefill": prefill,
     "train": train,
+    "structured": structured,
     "serve": serve,
 }

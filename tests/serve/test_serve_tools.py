@@ -47,13 +47,6 @@ def test_unclosed_call_counts_when_whole():
     assert tools.parse(half) == (half, [])
 
 
-def test_forced_prefix_completes_to_a_call():
-    prefix = tools.forced_prefix(True, "get_weather")
-    assert tools.parse(prefix + CALL[len(prefix) :])[1][0].name == "get_weather"
-    assert tools.forced_prefix(False) == ""
-    assert CALL.startswith(tools.forced_prefix(True))
-
-
 pieces = st.lists(
     st.sampled_from([CALL, "<tool_call>", "</tool_call>", "<tool", "_call>", "hi ", "<", "{", "\n"])
     | st.text(max_size=8),

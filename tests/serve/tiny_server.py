@@ -18,7 +18,7 @@ from astrai.config import ModelConfig, ServeConfig
 from astrai.infer import Engine
 from astrai.serve.app import make_app
 from astrai.serve.background import serve_in_background
-from astrai.serve.tools import forced_prefix, tool_spec
+from astrai.serve.tools import tool_spec
 from astrai.tokenizer import Tokenizer
 
 MODEL = "tiny-test"
@@ -90,9 +90,7 @@ def _build_tiny():
         ),
         chat.apply_chat_template([{"role": "user", "content": HELLO_Q}]),
     ]
-    forced = forced_prefix(True, "get_weather")
-    prompts.append(prompts[0] + forced)
-    answers = [CALL_TEXT, HELLO_A, CALL_TEXT[len(forced) :]]
+    answers = [CALL_TEXT, HELLO_A]
     tok = Tokenizer.train([*prompts, *answers] * 8, vocab_size=400)
     tok.chat_template = COMPACT_TEMPLATE
     end = tok.token_to_id("<|im_end|>")
