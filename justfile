@@ -43,6 +43,10 @@ plot *ARGS:
 test *ARGS:
     python -m pytest {{ARGS}}
 
+# The tests that run exported files in llama.cpp (needs: pip install -e ".[dev,peer]")
+test-peer *ARGS:
+    python -m pytest tests/peer tests/export {{ARGS}}
+
 # Format and lint
 lint:
     ruff format . && ruff check --fix .

@@ -17,6 +17,7 @@ import msgspec
 import torch
 
 import astrai
+from astrai.bench import peer_llamacpp
 from astrai.bench.chart import Panel, write_chart
 from astrai.bench.models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from astrai.bench.report import markdown, table
@@ -37,6 +38,7 @@ class Options:
     threads: int | None = None
     reference: bool = True
     out: Path = Path("runs/bench")
+    peer: str | None = None  # "llama.cpp": its rows next to ours (astrai/bench/peer_llamacpp.py)
 
 
 def selected_sections(only: tuple[str, ...]) -> list[str]:
@@ -78,11 +80,15 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
     status = {}
     try:
+        if opts.peer:
+            b.peer = peer_llamacpp.start_for_bench(b)
         for name in sections:
             status[name] = _run_section(b, name, log)
     finally:
         if b.engine is not None:
             b.engine.close()
+        if b.peer is not None:
+            peer_llamacpp.close_peer(b.peer)
     limit_rows(b)
     order = list(SECTIONS)
     b.rows.sort(key=lambda row: order.index(row["section"]) if row["section"] in order else 0)
