@@ -195,8 +195,8 @@ def save_gguf(
     """Write one GGUF file llama.cpp and Ollama load: hyperparameters, tensors in `type` (one of
     f32, f16, bf16, q8_0) and the tokenizer with its chat template.
 
-    Without a tokenizer the vocabulary is placeholders ("<id:N>"): the file then only maps token
-    ids to token ids, which is what a benchmark needs and nothing else. The file is written to a
+    Without a tokenizer the file has llama.cpp's "none" vocabulary: it maps token ids to token
+    ids only, which is what a benchmark needs and nothing else. The file is written to a
     temporary name and renamed, so a failed export leaves no torn file.
     """
     g = _require_gguf()

@@ -61,11 +61,11 @@ def _merge_text(merge) -> str:
     return merge if isinstance(merge, str) else " ".join(merge)  # newer files store pairs
 
 
-def gguf_vocab(tokenizer, vocab_size: int) -> GGUFVocab:
+def gguf_vocab(tokenizer, vocab_size: int) -> GGUFVocab | None:
     """The GGUF vocabulary of `tokenizer` (an astrai Tokenizer) padded to the model's
-    vocab_size; None gives placeholder tokens "<id:N>" that encode nothing."""
+    vocab_size; None for no tokenizer."""
     if tokenizer is None:
-        return GGUFVocab([f"<id:{i}>" for i in range(vocab_size)], [NORMAL] * vocab_size, [], "gpt-2")  # fmt: skip
+        return None
     spec = json.loads(tokenizer.backend.to_str())
     model = spec["model"]
     if model.get("type") != "BPE":
@@ -102,8 +102,12 @@ def gguf_vocab(tokenizer, vocab_size: int) -> GGUFVocab:
     )
 
 
-def write_vocab(writer, vocab: GGUFVocab) -> None:
-    """Add the tokenizer.ggml.* and tokenizer.chat_template keys to a gguf.GGUFWriter."""
+def write_vocab(writer, vocab: GGUFVocab | None) -> None:
+    """Add the tokenizer.ggml.* and tokenizer.chat_template keys to a gguf.GGUFWriter. No
+    vocabulary is llama.cpp's "none" tokenizer: vocab_size token ids that encode no text."""
+    if vocab is None:
+        writer.add_tokenizer_model("none")
+        return
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
