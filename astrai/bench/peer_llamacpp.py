@@ -5,8 +5,8 @@ of its own (so its thread pool and ours never share a process), driven over a pi
 line per call, answered when the work is done. Each call is timed on our side like every other
 side, round trip included (a few hundred microseconds against calls of tenths of seconds).
 llama.cpp runs with as many threads as torch, greedy argmax over its logits, extra buffer
-types off (see astrai/export/llamacpp.py), K/V in float32 for F32 and llama.cpp's default
-float16 otherwise.
+types off (see astrai/export/llamacpp.py), and otherwise llama.cpp's defaults: K/V in float16,
+flash attention on.
 
     python peer_llamacpp.py   # the peer process itself: reads requests on stdin
 """
@@ -83,8 +83,8 @@ def start_for_bench(b) -> Peer:
     threads = torch.get_num_threads()
     b.note(
         f"llama.cpp peer: {', '.join(PEER_TYPES)} GGUF files of the same weights, {threads} "
-        "threads, its own process, extra buffer types (weight repacking, AMX) off, K/V float32 "
-        "for F32 and float16 otherwise"
+        "threads, its own process, extra buffer types (weight repacking, AMX) off, otherwise "
+        "llama.cpp's defaults (K/V float16, flash attention on)"
     )
     return start_peer(b.folder, threads, n_ctx, max(most, batch), max(most * w.prompt_len, batch * length))  # fmt: skip
 
@@ -158,7 +158,7 @@ def main() -> None:
                 case "load":
                     sizes = {k: request[k] for k in ("n_ctx", "n_seq", "batch_size")}
                     models = {
-                        name: lc.load(path, request["threads"], kv_f32=name == "F32", **sizes)
+                        name: lc.load(path, request["threads"], exact=False, **sizes)
                         for name, path in request["paths"].items()
                     }
                     answer = {"ok": True}

@@ -55,12 +55,13 @@ def load(
     n_ctx: int = 512,
     n_seq: int = 1,
     batch_size: int = 512,
-    kv_f32: bool = True,
+    exact: bool = True,
 ) -> LlamaCpp:
     """Load a GGUF file with extra buffer types off. n_ctx: K/V cells shared by all n_seq
     sequences; batch_size: the most tokens one call takes (a prefill of every prompt at once
-    must fit); kv_f32: keep K/V in float32 like a float32 model of ours (llama.cpp's default is
-    float16)."""
+    must fit). exact: K/V in float32 and flash attention off, so an F32 file computes what our
+    float32 forward computes (llama.cpp's defaults, exact=False, keep K/V in float16 and its CPU
+    flash attention rounds through float16: logits differ by ~1e-3 relative)."""
     lib = _llama_cpp()
     lib.llama_backend_init()
     mparams = lib.llama_model_default_params()
@@ -74,8 +75,9 @@ def load(
     cparams.kv_unified = True
     cparams.n_batch, cparams.n_ubatch = batch_size, min(batch_size, 512)
     cparams.n_threads = cparams.n_threads_batch = threads
-    if kv_f32:
+    if exact:
         cparams.type_k = cparams.type_v = lib.GGML_TYPE_F32
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
     context = lib.llama_init_from_model(model, cparams)
     if not context:
         raise RuntimeError(f"llama.cpp could not make a context for {path}")
