@@ -181,3 +181,19 @@ def test_export_command_writes_a_file_and_names_a_missing_tokenizer(tmp_path, to
 
 def _fields(cfg) -> dict:
     return {name: getattr(cfg, name) for name in cfg.__struct_fields__}
+
+
+def test_tokenizers_llama_cpp_would_split_differently_are_refused(tmp_path, tokenizer):
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    word_level = tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    metaspace = ai.Tokenizer.train(TEXTS, vocab_size=300)
+    metaspace.backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    for tok, named in ((ai.Tokenizer(word_level), "BPE"), (metaspace, "Metaspace")):
+        with pytest.raises(ValueError, match=named):
+            save_gguf(tmp_path / "m.gguf", ai.init_params(CFG), CFG, tok)
+    small = ai.ModelConfig(**{**_fields(CFG), "vocab_size": 256})
+    with pytest.raises(ValueError, match="vocab_size is 256"):
+        save_gguf(tmp_path / "m.gguf", ai.init_params(small), small, tokenizer)
+    assert not list(tmp_path.iterdir())
