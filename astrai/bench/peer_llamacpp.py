@@ -79,7 +79,7 @@ def start_for_bench(b) -> Peer:
     w = b.work
     batch, length = w.prefill
     most = max((1, *w.concurrency))
-    n_ctx = max(most * (w.prompt_len + w.new_tokens), batch * length)
+    n_ctx = max(w.prompt_len + w.new_tokens, length)  # per sequence
     threads = torch.get_num_threads()
     b.note(
         f"llama.cpp peer: {', '.join(PEER_TYPES)} GGUF files of the same weights, {threads} "

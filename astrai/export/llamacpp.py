@@ -57,8 +57,8 @@ def load(
     batch_size: int = 512,
     exact: bool = True,
 ) -> LlamaCpp:
-    """Load a GGUF file with extra buffer types off. n_ctx: K/V cells shared by all n_seq
-    sequences; batch_size: the most tokens one call takes (a prefill of every prompt at once
+    """Load a GGUF file with extra buffer types off. n_ctx: K/V cells of each of the n_seq
+    sequences (each has its own, so a sequence attends over its own cells only); batch_size: the most tokens one call takes (a prefill of every prompt at once
     must fit). exact: K/V in float32 and flash attention off, so an F32 file computes what our
     float32 forward computes (llama.cpp's defaults, exact=False, keep K/V in float16 and its CPU
     flash attention rounds through float16: logits differ by ~1e-3 relative)."""
@@ -70,9 +70,9 @@ def load(
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     cparams = lib.llama_context_default_params()
-    cparams.n_ctx = n_ctx
+    cparams.n_ctx = n_ctx * n_seq
     cparams.n_seq_max = n_seq
-    cparams.kv_unified = True
+    cparams.kv_unified = False
     cparams.n_batch, cparams.n_ubatch = batch_size, min(batch_size, 512)
     cparams.n_threads = cparams.n_threads_batch = threads
     if exact:
