@@ -50,8 +50,8 @@ def export_models(folder: Path) -> dict[str, Path]:
     return paths
 
 
-def start_peer(folder: Path, threads: int, n_ctx: int, n_seq: int, batch_size: int) -> Peer:
-    """Export the models and start the peer process with all of them loaded."""
+def start_peer(folder: Path, threads: int, n_ctx: int) -> Peer:
+    """Export the models and start the peer process; n_ctx: K/V cells per sequence."""
     paths = export_models(folder)
     log = Path(tempfile.mkstemp(prefix="llama.cpp-", suffix=".log")[1])
     process = subprocess.Popen(
@@ -62,14 +62,14 @@ def start_peer(folder: Path, threads: int, n_ctx: int, n_seq: int, batch_size: i
         text=True,
     )
     peer = Peer(process, log, tuple(f"llama.cpp {name}" for name in paths))
-    request = {"n_ctx": n_ctx, "n_seq": n_seq, "batch_size": batch_size, "threads": threads}
-    ask(peer, {"op": "load", "paths": {k: str(v) for k, v in paths.items()}, **request})
+    paths = {k: str(v) for k, v in paths.items()}
+    ask(peer, {"op": "load", "paths": paths, "n_ctx": n_ctx, "threads": threads})
     return peer
 
 
 def start_for_bench(b) -> Peer:
-    """The peer sized for the run's workload (every throughput batch, the prefill), with a
-    note in the results saying how it runs."""
+    """The peer sized for the run's workload (the longest sequence: a decode or the prefill),
+    with a note in the results saying how it runs."""
     import importlib.util
 
     import torch
@@ -77,8 +77,7 @@ def start_for_bench(b) -> Peer:
     if importlib.util.find_spec("llama_cpp") is None:
         raise ValueError('--peer llama.cpp needs llama-cpp-python: pip install -e ".[peer]"')
     w = b.work
-    batch, length = w.prefill
-    most = max((1, *w.concurrency))
+    length = w.prefill[1]
     n_ctx = max(w.prompt_len + w.new_tokens, length)  # per sequence
     threads = torch.get_num_threads()
     b.note(
@@ -86,7 +85,7 @@ def start_for_bench(b) -> Peer:
         "threads, its own process, extra buffer types (weight repacking, AMX) off, otherwise "
         "llama.cpp's defaults (K/V float16, flash attention on)"
     )
-    return start_peer(b.folder, threads, n_ctx, max(most, batch), max(most * w.prompt_len, batch * length))  # fmt: skip
+    return start_peer(b.folder, threads, n_ctx)
 
 
 def ask(peer: Peer, request: dict) -> dict:
@@ -147,26 +146,36 @@ def peer_rows(b, section: str, rates: dict, ours: str, label: str, unit: str = "
 
 
 def main() -> None:
+    """Serve requests on stdin. A context is made per (type, number of sequences) on first use
+    (the warm-up call), with exactly that many K/V streams: llama.cpp's graph spans every
+    stream of a context, so one large context would make batch 1 pay for 64 sequences."""
     from astrai.export import llamacpp as lc
 
     lc.quiet_logs()
-    models = {}
+    setup, models = {}, {}
+
+    def model(name: str, n_seq: int):
+        if (name, n_seq) not in models:
+            path, threads = setup["paths"][name], setup["threads"]
+            models[name, n_seq] = lc.load(
+                path, threads, setup["n_ctx"], n_seq, n_seq * setup["n_ctx"], exact=False
+            )
+        return models[name, n_seq]
+
     for line in sys.stdin:
         request = json.loads(line)
         try:
             match request["op"]:
                 case "load":
-                    sizes = {k: request[k] for k in ("n_ctx", "n_seq", "batch_size")}
-                    models = {
-                        name: lc.load(path, request["threads"], exact=False, **sizes)
-                        for name, path in request["paths"].items()
-                    }
+                    setup = request
                     answer = {"ok": True}
                 case "greedy":
-                    m = models[request["model"]]
+                    m = model(request["model"], len(request["prompts"]))
                     answer = {"tokens": lc.greedy(m, request["prompts"], request["n"])}
                 case "prefill":
-                    lc.prompt_logits(models[request["model"]], request["prompts"])
+                    lc.prompt_logits(
+                        model(request["model"], len(request["prompts"])), request["prompts"]
+                    )
                     answer = {"ok": True}
                 case "quit":
                     break
