@@ -27,6 +27,10 @@ generate *ARGS:
 chat *ARGS:
     python programs/chat.py {{ARGS}}
 
+# Export for llama.cpp / Ollama: just export --model DIR --format gguf --out FILE.gguf [--type q8_0]
+export *ARGS:
+    python programs/export.py {{ARGS}}
+
 # Measure speed against transformers and the hardware limit: just bench [--quick]
 bench *ARGS:
     python programs/bench.py {{ARGS}}
@@ -42,6 +46,10 @@ plot *ARGS:
 # Run the whole test suite
 test *ARGS:
     python -m pytest {{ARGS}}
+
+# The tests that run exported files in llama.cpp (needs: pip install -e ".[dev,peer]")
+test-peer *ARGS:
+    python -m pytest tests/peer tests/export {{ARGS}}
 
 # Format and lint
 lint:

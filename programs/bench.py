@@ -36,6 +36,7 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--clients", type=int, help="concurrent streaming clients in serve")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-reference", action="store_true", help="our figures alone, without transformers")  # fmt: skip
+    parser.add_argument("--peer", choices=["llama.cpp"], help="add llama.cpp's rows (F32, BF16, Q8_0 GGUF of the same weights); needs the peer extra")  # fmt: skip
     parser.add_argument("--out", default="runs/bench", help="where run folders and the cached models go")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
@@ -51,6 +52,7 @@ def parse(argv: list[str] | None = None) -> Options:
         threads=args.threads,
         reference=not args.no_reference,
         out=Path(args.out),
+        peer=args.peer,
     )
 
 

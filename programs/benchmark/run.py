@@ -19,6 +19,7 @@ from figures import NoMatplotlib
 
 import astrai
 
+from . import peer_llamacpp
 from .chart import Panel, write_chart
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import markdown, table
@@ -39,6 +40,7 @@ class Options:
     threads: int | None = None
     reference: bool = True
     out: Path = Path("runs/bench")
+    peer: str | None = None  # "llama.cpp": its rows next to ours (peer_llamacpp.py)
 
 
 def selected_sections(only: tuple[str, ...]) -> list[str]:
@@ -81,11 +83,15 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
     status = {}
     try:
+        if opts.peer:
+            b.peer = peer_llamacpp.start_for_bench(b)
         for name in sections:
             status[name] = _run_section(b, name, log)
     finally:
         if b.engine is not None:
             b.engine.close()
+        if b.peer is not None:
+            peer_llamacpp.close_peer(b.peer)
     limit_rows(b)
     order = list(SECTIONS)
     b.rows.sort(key=lambda row: order.index(row["section"]) if row["section"] in order else 0)

@@ -22,6 +22,7 @@ from .limits import (
     stream_bandwidth,
 )
 from .models import Workload, random_prompts
+from .peer_llamacpp import generate_calls, peer_rows, prefill_calls
 from .report import compare, figure
 from .timing import interleave, median, timed
 
@@ -47,6 +48,7 @@ class Bench:
     extra: dict = field(default_factory=dict)
     shares: list = field(default_factory=list)  # (section, batch, rates, target) for limit_rows
     engine: object | None = None
+    peer: object | None = None  # the llama.cpp peer (peer_llamacpp.Peer) with --peer llama.cpp
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         return random_prompts(n, self.work.prompt_len, self.cfg.vocab_size, seed)
@@ -142,6 +144,8 @@ def limit_rows(b: Bench) -> None:
     for section, batch, rates, target in b.shares:
         roof = roofline_tokens_per_s(limits, batch)
         for name, values in rates.items():
+            if name not in labels:  # a peer's weights are another size: no share of ours
+                continue
             label = f"{labels[name]}, batch {batch}, share of roofline"
             mine = target if name == "engine" else None
             b.rows.append(figure(section, label, "%", 100 * median(values) / roof, None, mine))
@@ -160,6 +164,7 @@ def decode(b: Bench) -> None:
         "loop": lambda p: ours.greedy_decode(prepared, b.cfg, p, n),
         "transformers": lambda p: reference.generate(b.reference, [p], n)[0],
     }
+    calls |= {k: lambda p, f=f: f([p])[0] for k, f in generate_calls(b.peer, n).items()}
     outputs: dict = {}
     rates = b.measure(_available(b, calls), b.prompts(b.work.rounds + 1, seed=1), n, outputs)
     pairs = [
@@ -167,6 +172,7 @@ def decode(b: Bench) -> None:
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
     ]
     _reference_rows(b, "decode", rates, pairs, "tok/s", {"engine": 1.5})
+    peer_rows(b, "decode", rates, "engine", "Engine, batch 1")
     b.shares.append(("decode", 1, rates, 50.0 if b.size == "smol" else None))
     b.extra["greedy_agreement"] = _agreement(outputs)
 
@@ -199,6 +205,7 @@ def throughput(b: Bench) -> None:
     calls = {
         "engine": lambda batch: ours.engine_generate(engine, batch, n),
         "transformers": lambda batch: reference.generate(b.reference, batch, n),
+        **generate_calls(b.peer, n),
     }
     for c in b.work.concurrency:
         limit(b)
@@ -207,6 +214,7 @@ def throughput(b: Bench) -> None:
         targets = {"engine": THROUGHPUT_TARGETS.get(c)}
         pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
         _reference_rows(b, "throughput", rates, pairs, "tok/s", targets)
+        peer_rows(b, "throughput", rates, "engine", f"Engine, {c} concurrent requests")
         b.shares.append(("throughput", c, rates, None))
 
 
@@ -225,6 +233,7 @@ def prefill(b: Bench) -> None:
         "prefill": run_prefill,
         "ref_forward": lambda x: reference.forward(b.reference, x, last_only=False),
         "ref_prefill": lambda x: reference.forward(b.reference, x, last_only=True),
+        **prefill_calls(b.peer),
     }
     rates = b.measure(_available(b, calls), inputs, batch * length)
     pairs = [
@@ -232,6 +241,7 @@ def prefill(b: Bench) -> None:
         ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
     ]
     _reference_rows(b, "prefill", rates, pairs, "tok/s")
+    peer_rows(b, "prefill", rates, "prefill", f"paged prefill, {batch} x {length}, last logits")
 
 
 # --- training ----------------------------------------------------------------------------------
