@@ -130,19 +130,21 @@ def default_name(folder: Path, args: argparse.Namespace) -> str:
 
 
 def load_engine(folder: Path, serve_cfg):
-    """The model in `folder` -> an Engine (or an EncoderModel for an encoder)."""
+    """The model in `folder` -> an Engine (or an EncoderModel for an encoder). An Engine reads
+    its weights on its own thread: the process keeps one thread doing torch work."""
     import astrai
-    from astrai.config import engine_config
+    from astrai.config import engine_config, model_config_from_json
     from astrai.infer import Engine
     from astrai.serve import EncoderModel
     from astrai.tokenizer import Tokenizer
 
-    dtype = serve_cfg.dtype or "float32"
-    params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=serve_cfg.device)
+    cfg = model_config_from_json(folder / "config.json")
     tokenizer = Tokenizer.from_pretrained(folder)
     if cfg.model_type == "encoder":
+        dtype = serve_cfg.dtype if serve_cfg.dtype not in (None, "auto") else "float32"
+        params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=serve_cfg.device)
         return EncoderModel(params, cfg, tokenizer, serve_cfg.device)
-    return Engine(params, cfg, tokenizer, engine_config(serve_cfg))
+    return Engine.from_pretrained(folder, engine_config(serve_cfg), tokenizer=tokenizer)
 
 
 def is_loopback(host: str) -> bool:

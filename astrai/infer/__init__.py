@@ -10,7 +10,8 @@ from astrai.infer.events import (
     StreamEvent,
     Usage,
 )
-from astrai.infer.paged import decode_step, prefill, prepare_params
+from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import (
     alloc_pages,
     free_pages,
@@ -19,6 +20,8 @@ from astrai.infer.pages import (
     pages_for,
     share_pages,
 )
+from astrai.infer.prepare import prepare_params
+from astrai.infer.quant import Int8Matrix, kernels_used
 from astrai.infer.radix import (
     PrefixCache,
     clear_prefix_cache,
@@ -43,6 +46,7 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineState",
+    "Int8Matrix",
     "Overloaded",
     "PrefixCache",
     "PromptTooLong",
@@ -52,6 +56,7 @@ __all__ = [
     "Usage",
     "add_request",
     "alloc_pages",
+    "auto_dtype",
     "cancel_request",
     "clear_prefix_cache",
     "decode_step",
@@ -64,7 +69,9 @@ __all__ = [
     "init_pages",
     "init_prefix_cache",
     "insert_prefix",
+    "kernels_used",
     "match_prefix",
+    "native_bf16",
     "num_free_pages",
     "pages_for",
     "prefill",
