@@ -147,6 +147,19 @@ def load_engine(folder: Path, serve_cfg):
     return Engine.from_pretrained(folder, engine_config(serve_cfg), tokenizer=tokenizer)
 
 
+def describe_weights(engine, serve_cfg) -> str:
+    """One line: the dtype the weights run in (and why, for "auto"), and each matrix product."""
+    from astrai.infer.hardware import describe_dtype_choice
+
+    config = getattr(engine, "config", serve_cfg)
+    dtype = config.dtype or "float32"
+    if serve_cfg.dtype == "auto":
+        dtype = describe_dtype_choice(serve_cfg.device)
+    kernels = getattr(engine, "kernels", {})
+    products = ", ".join(f"{n} {kind}" for kind, n in kernels.items())
+    return f"Weights: {dtype}" + (f"; matrix products: {products}" if products else "")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -190,6 +203,7 @@ def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
         print(f"warning: listening on {serve_cfg.host} without an API key", file=sys.stderr)
     url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(f"Serving `{name}` from {folder} at {url}/v1 (OpenAI) and {url} (Anthropic)")
+    print(describe_weights(engine, serve_cfg))
     print(f"Chat with it in your browser: {url}/")
     try:
         uvicorn.run(

@@ -11,6 +11,7 @@ pool of its own sized by the same variable; it is held at one thread so it does 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,10 +37,8 @@ pytestmark = pytest.mark.skipif(
 def thread_names(pid: int) -> list[str]:
     names = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
             names.append((task / "comm").read_text().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
     return names
 
 
