@@ -20,6 +20,7 @@ from .limits import (
     matmul_gflops,
     roofline_tokens_per_s,
     stream_bandwidth,
+    weights_read_bandwidth,
 )
 from .models import Workload, random_prompts
 from .report import compare, figure
@@ -47,6 +48,7 @@ class Bench:
     extra: dict = field(default_factory=dict)
     shares: list = field(default_factory=list)  # (section, batch, rates, target) for limit_rows
     engine: object | None = None
+    quantize: str | None = None  # our weights in 8 bits ("int8"); the reference stays in dtype
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         return random_prompts(n, self.work.prompt_len, self.cfg.vocab_size, seed)
@@ -82,7 +84,12 @@ class Bench:
 def engine_of(b: Bench):
     """The run's one Engine, made on first use and shared by decode, throughput and serve."""
     if b.engine is None:
-        b.engine = ours.make_engine(b.params, b.cfg, b.tokenizer, b.work, b.device, b.dtype)
+        b.engine = ours.make_engine(
+            b.params, b.cfg, b.tokenizer, b.work, b.device, b.dtype, b.quantize
+        )
+        kernels = ", ".join(f"{n} {kind}" for kind, n in b.engine.kernels.items())
+        b.extra["kernels"] = b.engine.kernels
+        b.note(f"our matrix products: {kernels}")
     return b.engine
 
 
@@ -112,7 +119,10 @@ def limit(b: Bench) -> None:
     before their own rounds; the best seen in the run is the limit (a busy moment on a shared
     machine only hides what the hardware can do), and its rows are written at the end."""
     n = 1 << 27 if b.device.type == "cuda" else 1 << 25
-    bw = stream_bandwidth(b.device, n)
+    weights = decode_bytes_per_token(b.cfg, b.dtype, b.quantize)
+    bw = stream_bandwidth(b.device, n) | {
+        "read, weights-sized": weights_read_bandwidth(b.device, weights)
+    }
     gflops = matmul_gflops(b.device, b.dtype)
     old = b.extra.get("limits", {})
     best = {k: max(v, old.get("stream_gb_s", {}).get(k, 0.0)) for k, v in bw.items()}
@@ -120,7 +130,7 @@ def limit(b: Bench) -> None:
         "stream_gb_s": best,
         "bandwidth_gb_s": max(best.values()),
         "matmul_gflops": max(gflops, old.get("matmul_gflops", 0.0)),
-        "bytes_per_token": decode_bytes_per_token(b.cfg, b.dtype),
+        "bytes_per_token": weights,
         "flops_per_token": decode_flops_per_token(b.cfg),
         "measurements": old.get("measurements", 0) + 1,
     }
@@ -153,7 +163,7 @@ def limit_rows(b: Bench) -> None:
 def decode(b: Bench) -> None:
     """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
     n = b.work.new_tokens
-    engine, prepared = engine_of(b), ours.prepared(b.params, b.cfg)
+    engine, prepared = engine_of(b), ours.prepared(b.params, b.cfg, b.quantize)
     limit(b)
     calls = {
         "engine": lambda p: ours.engine_generate(engine, [p], n)[0],
@@ -219,7 +229,9 @@ def prefill(b: Bench) -> None:
         torch.randint(0, b.cfg.vocab_size, (batch, length), generator=g).to(b.device)
         for _ in range(b.work.rounds + 1)
     ]
-    run_prefill = ours.paged_prefill_fn(ours.prepared(b.params, b.cfg), b.cfg, batch, length)
+    run_prefill = ours.paged_prefill_fn(
+        ours.prepared(b.params, b.cfg, b.quantize), b.cfg, batch, length
+    )
     calls = {
         "forward": lambda x: ours.forward_logits(b.params, b.cfg, x),
         "prefill": run_prefill,

@@ -52,7 +52,7 @@ def test_each_product_is_the_product_of_the_dequantized_matrix(kernel, rows):
 
 
 def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
-    params, cfg = make_model("gqa")
+    params, _ = make_model("gqa")
     prepared = prepare_params(params, quantize="int8")
     assert isinstance(prepared["lm_head.weight"], Int8Matrix)  # tied: a copy of its own
     assert isinstance(prepared["model.layers.0.self_attn.q_proj.weight"], Int8Matrix)
