@@ -342,6 +342,32 @@ def serve(b: Bench) -> None:
         b.rows.append(figure("serve", f"{label} {q}", "ms", value))
 
 
+def isolated(b: Bench) -> None:
+    """One streaming client of a real `just serve` process against the bare prefill +
+    decode_step loop in a clean process: batch 1, the same weights file, dtype and quantize,
+    alternating rounds timed from this process."""
+    from .isolated import loop_process, serve_process
+    from .serving import stream_load
+
+    n = b.work.new_tokens
+    dtype = str(b.dtype).removeprefix("torch.")
+    threads = torch.get_num_threads()
+    prompts = b.prompts(b.work.rounds + 1, seed=11)
+    if not (b.folder / "tokenizer.json").exists():  # just serve reads it from the folder
+        b.tokenizer.save_pretrained(b.folder)
+    with (
+        loop_process(b.folder, dtype, b.quantize, threads) as loop,
+        serve_process(b.folder, dtype, b.quantize, threads) as url,
+    ):
+        calls = {
+            "serve": lambda p: stream_load(url, [p], n),
+            "loop": lambda p: loop.generate(p, n),
+        }
+        rates = b.measure(calls, prompts, n)
+    label = "just serve process, 1 streaming client vs the loop in a clean process"
+    b.rows.append(compare("isolated", label, "tok/s", rates["serve"], rates["loop"], "loop", 0.95))
+
+
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "limit": limit,
     "decode": decode,
@@ -349,4 +375,5 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "prefill": prefill,
     "train": train,
     "serve": serve,
+    "isolated": isolated,
 }
