@@ -96,7 +96,9 @@ def perplexity(params, cfg, tokens: torch.Tensor) -> float:
         return float(F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).exp())
 
 
-def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_8_bits():
+@pytest.fixture(scope="module")
+def trained():
+    """A small model trained on the Markov chain for 150 steps (a few seconds on one thread)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small products on a busy machine: more threads only contend
     try:
@@ -118,15 +120,29 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_8_bits():
             opt.zero_grad()
             loss.backward()
             opt.step()
-        params = {k: v.detach() for k, v in params.items()}
-        held_out = markov_text(32, 33, seed=10_000)
-        full = perplexity(params, cfg, held_out)
-        assert full < 6  # it learnt the chain (2.6 at best, 64 knowing nothing)
-        int8 = prepare_params(params, quantize="int8")
-        assert abs(perplexity(int8, cfg, held_out) - full) / full < 0.01
-        with torch.inference_mode():
-            a = ai.forward(params, cfg, held_out).argmax(-1)
-            b = ai.forward(int8, cfg, held_out).argmax(-1)
-        assert float((a == b).float().mean()) >= 0.98
+        return {k: v.detach() for k, v in params.items()}, cfg
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", [None, *BUILDERS])  # None: the one measured fastest here
+def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_8_bits(trained, kernel):
+    if kernel is not None and not runnable(kernel):
+        pytest.skip(f"{kernel} does not run on this machine")
+    params, cfg = trained
+    held_out = markov_text(32, 33, seed=10_000)
+    full = perplexity(params, cfg, held_out)
+    assert full < 6  # it learnt the chain (2.6 at best, 64 knowing nothing)
+    int8 = prepare_params(params, quantize="int8")
+    if kernel is not None:  # the same 8-bit matrices, run by the kernel under test
+        int8 = {
+            k: int8_matrix(params[k if k in params else "model.embed_tokens.weight"], kernel)
+            if isinstance(w, Int8Matrix)
+            else w
+            for k, w in int8.items()
+        }
+    assert abs(perplexity(int8, cfg, held_out) - full) / full < 0.01
+    with torch.inference_mode():
+        a = ai.forward(params, cfg, held_out).argmax(-1)
+        b = ai.forward(int8, cfg, held_out).argmax(-1)
+    assert float((a == b).float().mean()) >= 0.98
