@@ -804,9 +804,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Share the K/V of equal prompt prefixes between requests (the radix prefix cache)."""
     device: str = "cpu"
     """Where the weights and the page pool live: cpu, cuda, cuda:1, mps, ..."""
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Weights and K/V dtype. Not set: the weights' own dtype (`just serve` loads the
-    checkpoint in float32 then)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """Weights and K/V dtype. "auto": bfloat16 where the hardware multiplies it natively
+    (CUDA, AVX-512 BF16, AMX, Arm BF16), float32 otherwise; the choice is logged at start. Not
+    set: the weights' own dtype (float32 for a checkpoint `just serve` loads)."""
+    quantize: Literal["int8"] | None = None
+    """Store the matrices of the layers and the head in 8 bits, one scale per output channel
+    (the embedding and the norms keep `dtype`). Which int8 product runs (weight-only, or with
+    activations quantized on the fly) is measured per shape at load and logged. Not set: the
+    weights stay in `dtype`."""
 
     def __post_init__(self) -> None:
         _require_positive(self, "page_size", "max_batch", "prefill_chunk")

@@ -32,6 +32,7 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--only", default="", help=f"comma-separated sections of: {', '.join(SECTIONS)}")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, ...")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and K/V dtype for inference")  # fmt: skip
+    parser.add_argument("--quantize", choices=["int8"], help="our weights in 8 bits (the transformers reference stays in --dtype)")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="measured rounds per side (default 3; 2 with --quick)")  # fmt: skip
     parser.add_argument("--clients", type=int, help="concurrent streaming clients in serve")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -47,6 +48,7 @@ def parse(argv: list[str] | None = None) -> Options:
         only=tuple(s.strip() for s in args.only.split(",") if s.strip()),
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
         rounds=args.rounds,
         clients=args.clients,
         threads=args.threads,

@@ -41,20 +41,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="longest reply (default 512; always cut to what is left of the context)",
     )
     parser.add_argument("--seed", type=int, help="reply i uses seed + i: a session replays exactly")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), help="weights and K/V (default: float32; auto: bfloat16 where it is native)")  # fmt: skip
+    parser.add_argument("--quantize", choices=["int8"], help="8-bit weights (default: none)")
     return parser.parse_args(argv)
 
 
-def load_engine(folder: Path):
-    import astrai as ai
+def load_engine(folder: Path, dtype: str | None = None, quantize: str | None = None):
+    from astrai.config import model_config_from_json
     from astrai.infer import Engine
     from astrai.tokenizer import Tokenizer
 
-    params, cfg = ai.load_pretrained(folder)
-    if cfg.model_type != "decoder":
+    if model_config_from_json(folder / "config.json").model_type != "decoder":
         raise ValueError("this is an encoder model; it makes embeddings, not replies")
     tokenizer = Tokenizer.from_pretrained(folder)
     # One conversation at a time: a pool for one full-length sequence is all it needs.
-    return Engine(params, cfg, tokenizer, max_batch=1), tokenizer
+    engine = Engine.from_pretrained(
+        folder, tokenizer=tokenizer, max_batch=1, dtype=dtype, quantize=quantize
+    )
+    return engine, tokenizer
 
 
 def reply(engine, tokenizer, messages: list[dict], args, turn: int) -> str | None:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        engine, tokenizer = load_engine(folder)
+        engine, tokenizer = load_engine(folder, args.dtype, args.quantize)
     except (OSError, ValueError) as exc:  # a missing folder, a bad config.json or checkpoint
         print(f"error: cannot load {folder}: {exc}", file=sys.stderr)
         return 2

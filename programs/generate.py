@@ -19,9 +19,6 @@ import json
 import sys
 import time
 
-import torch
-
-import astrai as ai
 from astrai.infer import ConstraintError, Engine, SamplingParams
 from astrai.infer.constraints import choice, json_schema, regex
 from astrai.tokenizer import Tokenizer
@@ -30,7 +27,7 @@ from astrai.tokenizer import Tokenizer
 FORMS = {"json_schema": json_schema, "regex": regex, "choice": choice}
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__) - {"constraint"}
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 class InputError(ValueError):
@@ -103,7 +100,8 @@ def main() -> int:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--json-schema", help="a JSON schema file every output must follow")
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's; auto: bfloat16 where the CPU/GPU multiplies it natively")  # fmt: skip
+    parser.add_argument("--quantize", choices=["int8"], help="8-bit weights (default: none)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args()
     defaults = {
@@ -117,13 +115,17 @@ def main() -> int:
     try:
         requests = read_requests(args.input)
         file_constraint = read_schema(args.json_schema)
-        params, cfg = ai.load_pretrained(args.model)
         tokenizer = Tokenizer.from_pretrained(args.model)
+        engine = Engine.from_pretrained(
+            args.model,
+            tokenizer=tokenizer,
+            max_batch=args.max_batch,
+            dtype=args.dtype,
+            quantize=args.quantize,
+        )
     except (InputError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    engine = Engine(params, cfg, tokenizer, max_batch=args.max_batch, dtype=dtype)
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
         ids = []

@@ -130,19 +130,34 @@ def default_name(folder: Path, args: argparse.Namespace) -> str:
 
 
 def load_engine(folder: Path, serve_cfg):
-    """The model in `folder` -> an Engine (or an EncoderModel for an encoder)."""
+    """The model in `folder` -> an Engine (or an EncoderModel for an encoder). An Engine reads
+    its weights on its own thread: the process keeps one thread doing torch work."""
     import astrai
-    from astrai.config import engine_config
+    from astrai.config import engine_config, model_config_from_json
     from astrai.infer import Engine
     from astrai.serve import EncoderModel
     from astrai.tokenizer import Tokenizer
 
-    dtype = serve_cfg.dtype or "float32"
-    params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=serve_cfg.device)
+    cfg = model_config_from_json(folder / "config.json")
     tokenizer = Tokenizer.from_pretrained(folder)
     if cfg.model_type == "encoder":
+        dtype = serve_cfg.dtype if serve_cfg.dtype not in (None, "auto") else "float32"
+        params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=serve_cfg.device)
         return EncoderModel(params, cfg, tokenizer, serve_cfg.device)
-    return Engine(params, cfg, tokenizer, engine_config(serve_cfg))
+    return Engine.from_pretrained(folder, engine_config(serve_cfg), tokenizer=tokenizer)
+
+
+def describe_weights(engine, serve_cfg) -> str:
+    """One line: the dtype the weights run in (and why, for "auto"), and each matrix product."""
+    from astrai.infer.hardware import describe_dtype_choice
+
+    config = getattr(engine, "config", serve_cfg)
+    dtype = config.dtype or "float32"
+    if serve_cfg.dtype == "auto":
+        dtype = describe_dtype_choice(serve_cfg.device)
+    kernels = getattr(engine, "kernels", {})
+    products = ", ".join(f"{n} {kind}" for kind, n in kernels.items())
+    return f"Weights: {dtype}" + (f"; matrix products: {products}" if products else "")
 
 
 def is_loopback(host: str) -> bool:
@@ -188,6 +203,7 @@ def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
         print(f"warning: listening on {serve_cfg.host} without an API key", file=sys.stderr)
     url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(f"Serving `{name}` from {folder} at {url}/v1 (OpenAI) and {url} (Anthropic)")
+    print(describe_weights(engine, serve_cfg))
     print(f"Chat with it in your browser: {url}/")
     try:
         uvicorn.run(

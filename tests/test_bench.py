@@ -47,7 +47,9 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     assert results["meta"]["size"] == "tiny"
     assert all(s["status"] == "ok" for s in results["sections"].values()), results["sections"]
     sections = {row["section"] for row in results["rows"]}
-    assert sections == {"limit", "decode", "throughput", "prefill", "train", "structured", "serve"}
+    assert sections == {
+        "limit", "decode", "throughput", "prefill", "train", "structured", "serve", "isolated",
+    }  # fmt: skip
     for row in results["rows"]:
         assert row["ours"] > 0, row
         if "ratio" in row:
@@ -127,6 +129,19 @@ def test_decode_bytes_count_every_weight_once_and_one_embedding_row(tied):
     expected += cfg.hidden_size + (head.numel() if tied else 0)
     assert decode_bytes_per_token(cfg, torch.float32) == 4 * expected
     assert decode_bytes_per_token(cfg, torch.bfloat16) == 2 * expected
+    assert decode_bytes_per_token(cfg, torch.float32, "int8") == expected
+
+
+def test_quantized_run_reports_the_products_that_ran(tmp_path, capsys):
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "decode", "--quantize",
+            "int8", "--out", str(tmp_path)]  # fmt: skip
+    assert load_program().main(argv) == 0, capsys.readouterr().out
+    results = read_run(tmp_path)
+    assert results["meta"]["quantize"] == "int8"
+    assert sum(results["kernels"].values()) == 2 * 7 + 1  # every matrix of the tiny model
+    assert "float" not in results["kernels"]
+    assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
+    assert "our matrix products" in capsys.readouterr().out
 
 
 def test_roofline_is_memory_bound_at_batch_1_and_compute_bound_when_large():

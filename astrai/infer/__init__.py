@@ -17,7 +17,8 @@ from astrai.infer.events import (
     StreamEvent,
     Usage,
 )
-from astrai.infer.paged import decode_step, prefill, prepare_params
+from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import (
     alloc_pages,
     free_pages,
@@ -26,6 +27,8 @@ from astrai.infer.pages import (
     pages_for,
     share_pages,
 )
+from astrai.infer.prepare import prepare_params
+from astrai.infer.quant import Int8Matrix, kernels_used
 from astrai.infer.radix import (
     PrefixCache,
     clear_prefix_cache,
@@ -52,6 +55,7 @@ __all__ = [
     "ConstraintError",
     "Engine",
     "EngineState",
+    "Int8Matrix",
     "Overloaded",
     "PrefixCache",
     "PromptTooLong",
@@ -63,6 +67,7 @@ __all__ = [
     "add_request",
     "alloc_pages",
     "allowed_tokens",
+    "auto_dtype",
     "cancel_request",
     "clear_prefix_cache",
     "decode_step",
@@ -75,7 +80,9 @@ __all__ = [
     "init_pages",
     "init_prefix_cache",
     "insert_prefix",
+    "kernels_used",
     "match_prefix",
+    "native_bf16",
     "num_free_pages",
     "pages_for",
     "prefill",

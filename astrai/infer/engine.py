@@ -22,11 +22,11 @@ import torch
 
 from astrai.config import EngineConfig, ModelConfig
 from astrai.infer.events import Completion, Events, Overloaded, StreamEvent, collect
-from astrai.infer.paged import prepare_params
+from astrai.infer.prepare import prepare_params
+from astrai.infer.quant import kernels_used
 from astrai.infer.sampling import SamplingParams, sampling_params
 from astrai.infer.sequence import Sequence
 from astrai.infer.step import (
-    EngineState,
     Request,
     cancel_request,
     describe,
@@ -42,6 +42,18 @@ from astrai.infer.step import (
 )
 
 Sink = Callable[[StreamEvent], None]
+Params = dict[str, torch.Tensor]
+THREAD_NAME = "astrai-engine"
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling OS thread a name (Linux; elsewhere nothing happens), so that tools such
+    as top -H, and the threads it starts, show where they come from."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 # The inbox's messages: one typed union, matched by class.
@@ -66,6 +78,14 @@ class SwapParams:
 @dataclass
 class Close:
     pass
+
+
+@dataclass
+class _Started:
+    """The engine thread's answer to the constructor: ready, or why it could not start."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 Message = Submit | Cancel | SwapParams | Close
@@ -93,12 +113,18 @@ class Engine:
     """
 
     def __init__(
-        self, params, cfg: ModelConfig, tokenizer, config: EngineConfig | None = None, **settings
+        self,
+        params: Params | Callable[[], Params],
+        cfg: ModelConfig,
+        tokenizer,
+        config: EngineConfig | None = None,
+        **settings,
     ):
-        self._state: EngineState = init_engine(params, cfg, tokenizer, config, **settings)
-        self.config = self._state.config
-        self.cfg, self.tokenizer, self.max_seq_len = cfg, tokenizer, self.config.max_seq_len
-        self._params = self._prepare(params)
+        # All torch work happens on the engine thread, loading included: a second thread that
+        # has run one parallel op keeps its own OpenMP team alive, and two teams on a machine
+        # with as many cores as one team's threads make every small op of a step sleep and
+        # wake (measured ~2.3x slower decoding). So `params` may be a function that loads them.
+        self.cfg, self.tokenizer = cfg, tokenizer
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._queued = 0  # submissions not yet seen by the engine thread
         self._lock = threading.Lock()
@@ -107,9 +133,38 @@ class Engine:
         self._counter = itertools.count()
         self._clock = Clock()
         self._closed = False
-        self._refresh_snapshot()
-        self._thread = threading.Thread(target=self._run, name="astrai-engine", daemon=True)
+        started = _Started()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(params, config, settings, started),
+            name=THREAD_NAME,
+            daemon=True,
+        )
         self._thread.start()
+        started.done.wait()
+        if started.error is not None:
+            self._thread.join()
+            raise started.error
+        self.config = self._state.config
+        self.max_seq_len = self.config.max_seq_len
+
+    @classmethod
+    def from_pretrained(
+        cls, path, config: EngineConfig | None = None, tokenizer=None, **settings
+    ) -> Engine:
+        """An Engine over the model folder `path` (written by `save_pretrained` or transformers),
+        its weights read on the engine thread. The tokenizer is the folder's unless given."""
+        from pathlib import Path
+
+        from astrai.config import model_config_from_json
+        from astrai.model import load_pretrained
+        from astrai.tokenizer import Tokenizer
+
+        path = Path(path)
+        cfg = model_config_from_json(path / "config.json")
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_pretrained(path)
+        return cls(lambda: load_pretrained(path)[0], cfg, tokenizer, config, **settings)
 
     # ------------------------------------------------------------------ public API
 
@@ -216,7 +271,9 @@ class Engine:
     # ------------------------------------------------------------------ caller side
 
     def _prepare(self, params):
-        return prepare_params(params_for(self._state, params))
+        prepared = prepare_params(params_for(self._state, params), self._state.config.quantize)
+        self.kernels = kernels_used(prepared)  # which product each matrix runs, for the logs
+        return prepared
 
     def _sequence(self, prompt, sampling: dict) -> Sequence:
         if self._closed:
@@ -240,8 +297,20 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _run(self) -> None:
+    def _run(self, params, config, settings, started: _Started) -> None:
+        name_native_thread(THREAD_NAME)  # before its OpenMP team exists: the team inherits it
         with torch.inference_mode():
+            try:
+                params = params() if callable(params) else params
+                self._state = init_engine(params, self.cfg, self.tokenizer, config, **settings)
+                self._params = self._prepare(params)
+                del params  # the prepared copy is what the engine keeps
+                self._refresh_snapshot()
+            except BaseException as exc:
+                started.error = exc
+                return
+            finally:
+                started.done.set()
             while (news := self._handle_messages()) is not None:
                 self._step(news)
 

@@ -14,35 +14,10 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.infer.pages import Pool, page_size_of
+from astrai.infer.prepare import prepare_params  # noqa: F401  (its home before prepare.py)
 from astrai.model import decode_layers, embed, lm_head
 
 Params = dict[str, torch.Tensor]
-
-
-def prepare_params(params: Params) -> Params:
-    """The same weights laid out for fast decoding: a new params dict, same keys and shapes, in
-    which every float32 CPU matrix is a transposed view of [in, out]-contiguous storage.
-
-    `F.linear(x, W)` with such a W runs as `x @ Wt` over contiguous memory, which on the
-    reference CPU reads the 32000 x 512 head for one row in 2.4 ms instead of 6.1 ms. With tied
-    embeddings the head gets its own copy, so the embedding lookup keeps reading whole rows.
-    Other dtypes and devices are returned as they are (bfloat16 was not faster this way). The
-    result is for inference only; train on the canonical params.
-    """
-
-    def transposed(w: torch.Tensor) -> torch.Tensor:
-        return w.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-    def worth_it(w: torch.Tensor) -> bool:
-        return w.dim() >= 2 and w.dtype == torch.float32 and w.device.type == "cpu"
-
-    embed_key = "model.embed_tokens.weight"
-    prepared = {
-        key: transposed(w) if worth_it(w) and key != embed_key else w for key, w in params.items()
-    }
-    if "lm_head.weight" not in params and worth_it(params[embed_key]):
-        prepared["lm_head.weight"] = transposed(params[embed_key])
-    return prepared
 
 
 def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora):

@@ -16,6 +16,7 @@ sequences are updated in place, and the caller goes on with the state that comes
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 from astrai.config import EngineConfig, ModelConfig, engine_config, from_dict, to_dict
 from astrai.infer.constraints import accept_token, allowed_tokens, is_finished, start_constraint
 from astrai.infer.events import PromptTooLong, StreamEvent, Usage
+from astrai.infer.hardware import auto_dtype, describe_dtype_choice
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
 from astrai.infer.radix import num_cached_pages
@@ -45,6 +47,7 @@ from astrai.infer.stops import scan_stops
 from astrai.model import kv_shapes
 
 Params = dict[str, torch.Tensor]
+log = logging.getLogger("astrai.infer")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,9 +94,13 @@ def default_num_pages(cfg: ModelConfig, config: EngineConfig, width: int, dtype)
 
 
 def resolve_config(cfg: ModelConfig, config: EngineConfig, params: Params) -> EngineConfig:
-    """config with its None sizes filled in: dtype from the weights, max_seq_len from the
-    model, num_pages from the memory rule above."""
+    """config with its None sizes filled in: dtype from the weights ("auto" from the hardware,
+    see astrai.infer.hardware), max_seq_len from the model, num_pages from the memory rule
+    above."""
     dtype = config.dtype or str(next(iter(params.values())).dtype).removeprefix("torch.")
+    if dtype == "auto":
+        dtype = auto_dtype(config.device)
+        log.info(describe_dtype_choice(config.device))
     max_seq_len = config.max_seq_len or cfg.max_position_embeddings
     num_pages = config.num_pages or default_num_pages(
         cfg, config, pages_for(max_seq_len, config.page_size), DTYPES[dtype]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
-from astrai.model.layers import Params, rms_norm, swiglu
+from astrai.model.layers import Params, project, rms_norm, swiglu
 from astrai.model.moe import moe
 from astrai.model.rope import rope_tables
 
@@ -80,7 +80,7 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: torch.Tensor) -> torch.Tensor:
     weight = params.get("lm_head.weight", params["model.embed_tokens.weight"])
-    return F.linear(hidden, weight)
+    return project(hidden, weight)
 
 
 def default_positions(tokens: torch.Tensor, start: int = 0) -> torch.Tensor:

@@ -15,9 +15,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias). W is a tensor, or a prepared inference weight (an 8-bit matrix, see
+    astrai.infer.quant) that brings its own product as `.linear(x)`."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    y = weight.linear(x)
+    return y if bias is None else y + bias
+
+
 def linear(params: Params, name: str, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for the weight `{name}.weight`, plus its LoRA update when there is one."""
-    y = F.linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+    y = project(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
     if lora is not None and (pair := lora["weights"].get(f"{name}.weight")) is not None:
         y = y + lora["scale"] * F.linear(F.linear(x, pair["A"]), pair["B"])
     return y

@@ -30,6 +30,14 @@ def stream_bandwidth(device: torch.device, n: int = 1 << 25, repeats: int = 5) -
     return {name: _best_rate(fn, nbytes, device, repeats) for name, (fn, nbytes) in kernels.items()}
 
 
+def weights_read_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """GB/s of reading a working set the size of the model's weights, as a decode step does.
+    When the weights fit in the cache this is the cache's speed, not DRAM's: the real limit of
+    a step that rereads them every token."""
+    a = torch.rand(max(nbytes // 4, 1024), device=device)
+    return _best_rate(lambda: a.sum(), a.element_size() * a.numel(), device, repeats)
+
+
 def matmul_gflops(
     device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5
 ) -> float:
@@ -55,13 +63,17 @@ def _matrix_elements(cfg: ModelConfig) -> tuple[int, int]:
     return elements, hidden
 
 
-def decode_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def decode_bytes_per_token(
+    cfg: ModelConfig, dtype: torch.dtype, quantize: str | None = None
+) -> int:
     """Bytes of weights one batch-1 decode step must read: every matrix and norm once, one row
     of the embedding, and the head (the embedding matrix itself when tied). The K/V cache read
     is left out: at these lengths it is under 1% of the weights. For MoE every expert is
-    counted, which overstates the bytes of a sparse step."""
+    counted, which overstates the bytes of a sparse step. With int8 weights the matrices take
+    one byte per element (the per-row scales and the norms are left out: under 1%)."""
     elements, hidden = _matrix_elements(cfg)
-    return (elements + hidden) * torch.empty((), dtype=dtype).element_size()
+    per_element = 1 if quantize == "int8" else torch.empty((), dtype=dtype).element_size()
+    return (elements + hidden) * per_element
 
 
 def decode_flops_per_token(cfg: ModelConfig) -> int:

@@ -19,7 +19,7 @@ from .models import Workload
 PAGE_SIZE = 16
 
 
-def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype):
+def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype, quantize=None):
     """An Engine sized for the workload: room for the largest batch of full sequences, so no
     request waits for pages and nothing is preempted."""
     from astrai.infer import Engine
@@ -36,6 +36,7 @@ def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dty
         max_seq_len=pages_for(max_len, PAGE_SIZE) * PAGE_SIZE,
         device=device,
         dtype=dtype,
+        quantize=quantize,
     )
 
 
@@ -54,11 +55,11 @@ def engine_generate(
     return out
 
 
-def prepared(params, cfg: ModelConfig):
+def prepared(params, cfg: ModelConfig, quantize: str | None = None):
     """The weights laid out for inference, as the Engine prepares them."""
     from astrai.infer import prepare_params
 
-    return prepare_params(params)
+    return prepare_params(params, quantize)
 
 
 @torch.inference_mode()

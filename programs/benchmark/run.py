@@ -35,6 +35,7 @@ class Options:
     only: tuple[str, ...] = ()  # () = every section
     device: str = "auto"
     dtype: str = "float32"
+    quantize: str | None = None  # our side's weights ("int8"); the reference stays in dtype
     rounds: int | None = None
     clients: int | None = None
     threads: int | None = None
@@ -81,6 +82,7 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
         log(f"no reference: {missing}; the figures are ours alone")
     tokenizer = bench_tokenizer(cfg.vocab_size)
     b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
+    b.quantize = opts.quantize
     status = {}
     try:
         if opts.peer:
@@ -103,7 +105,8 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     }
     run_dir = _new_run_dir(Path(opts.out))
     _write(run_dir, results)
-    title = f"AstrAI bench: {size} model, {device}, {opts.dtype}, {results['meta']['time']}"
+    ours_dtype = opts.dtype + (f", ours {opts.quantize}" if opts.quantize else "")
+    title = f"AstrAI bench: {size} model, {device}, {ours_dtype}, {results['meta']['time']}"
     try:
         write_chart(run_dir / "chart.png", title, chart_panels(b.rows))
         chart = True
@@ -162,6 +165,7 @@ def _meta(opts, size, work, device, dtype, cfg, folder, missing) -> dict:
         "device": str(device),
         "device_name": _device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "quantize": opts.quantize,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers_version,

@@ -20,6 +20,7 @@ from .limits import (
     matmul_gflops,
     roofline_tokens_per_s,
     stream_bandwidth,
+    weights_read_bandwidth,
 )
 from .models import Workload, random_prompts
 from .peer_llamacpp import generate_calls, peer_rows, prefill_calls
@@ -49,6 +50,7 @@ class Bench:
     shares: list = field(default_factory=list)  # (section, batch, rates, target) for limit_rows
     engine: object | None = None
     peer: object | None = None  # the llama.cpp peer (peer_llamacpp.Peer) with --peer llama.cpp
+    quantize: str | None = None  # our weights in 8 bits ("int8"); the reference stays in dtype
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         return random_prompts(n, self.work.prompt_len, self.cfg.vocab_size, seed)
@@ -84,7 +86,12 @@ class Bench:
 def engine_of(b: Bench):
     """The run's one Engine, made on first use and shared by decode, throughput and serve."""
     if b.engine is None:
-        b.engine = ours.make_engine(b.params, b.cfg, b.tokenizer, b.work, b.device, b.dtype)
+        b.engine = ours.make_engine(
+            b.params, b.cfg, b.tokenizer, b.work, b.device, b.dtype, b.quantize
+        )
+        kernels = ", ".join(f"{n} {kind}" for kind, n in b.engine.kernels.items())
+        b.extra["kernels"] = b.engine.kernels
+        b.note(f"our matrix products: {kernels}")
     return b.engine
 
 
@@ -114,7 +121,10 @@ def limit(b: Bench) -> None:
     before their own rounds; the best seen in the run is the limit (a busy moment on a shared
     machine only hides what the hardware can do), and its rows are written at the end."""
     n = 1 << 27 if b.device.type == "cuda" else 1 << 25
-    bw = stream_bandwidth(b.device, n)
+    weights = decode_bytes_per_token(b.cfg, b.dtype, b.quantize)
+    bw = stream_bandwidth(b.device, n) | {
+        "read, weights-sized": weights_read_bandwidth(b.device, weights)
+    }
     gflops = matmul_gflops(b.device, b.dtype)
     old = b.extra.get("limits", {})
     best = {k: max(v, old.get("stream_gb_s", {}).get(k, 0.0)) for k, v in bw.items()}
@@ -122,7 +132,7 @@ def limit(b: Bench) -> None:
         "stream_gb_s": best,
         "bandwidth_gb_s": max(best.values()),
         "matmul_gflops": max(gflops, old.get("matmul_gflops", 0.0)),
-        "bytes_per_token": decode_bytes_per_token(b.cfg, b.dtype),
+        "bytes_per_token": weights,
         "flops_per_token": decode_flops_per_token(b.cfg),
         "measurements": old.get("measurements", 0) + 1,
     }
@@ -157,7 +167,7 @@ def limit_rows(b: Bench) -> None:
 def decode(b: Bench) -> None:
     """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
     n = b.work.new_tokens
-    engine, prepared = engine_of(b), ours.prepared(b.params, b.cfg)
+    engine, prepared = engine_of(b), ours.prepared(b.params, b.cfg, b.quantize)
     limit(b)
     calls = {
         "engine": lambda p: ours.engine_generate(engine, [p], n)[0],
@@ -227,7 +237,9 @@ def prefill(b: Bench) -> None:
         torch.randint(0, b.cfg.vocab_size, (batch, length), generator=g).to(b.device)
         for _ in range(b.work.rounds + 1)
     ]
-    run_prefill = ours.paged_prefill_fn(ours.prepared(b.params, b.cfg), b.cfg, batch, length)
+    run_prefill = ours.paged_prefill_fn(
+        ours.prepared(b.params, b.cfg, b.quantize), b.cfg, batch, length
+    )
     calls = {
         "forward": lambda x: ours.forward_logits(b.params, b.cfg, x),
         "prefill": run_prefill,
@@ -365,6 +377,32 @@ def serve(b: Bench) -> None:
         b.rows.append(figure("serve", f"{label} {q}", "ms", value))
 
 
+def isolated(b: Bench) -> None:
+    """One streaming client of a real `just serve` process against the bare prefill +
+    decode_step loop in a clean process: batch 1, the same weights file, dtype and quantize,
+    alternating rounds timed from this process."""
+    from .isolated import loop_process, serve_process
+    from .serving import stream_load
+
+    n = b.work.new_tokens
+    dtype = str(b.dtype).removeprefix("torch.")
+    threads = torch.get_num_threads()
+    prompts = b.prompts(b.work.rounds + 1, seed=11)
+    if not (b.folder / "tokenizer.json").exists():  # just serve reads it from the folder
+        b.tokenizer.save_pretrained(b.folder)
+    with (
+        loop_process(b.folder, dtype, b.quantize, threads) as loop,
+        serve_process(b.folder, dtype, b.quantize, threads) as url,
+    ):
+        calls = {
+            "serve": lambda p: stream_load(url, [p], n),
+            "loop": lambda p: loop.generate(p, n),
+        }
+        rates = b.measure(calls, prompts, n)
+    label = "just serve process, 1 streaming client vs the loop in a clean process"
+    b.rows.append(compare("isolated", label, "tok/s", rates["serve"], rates["loop"], "loop", 0.95))
+
+
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "limit": limit,
     "decode": decode,
@@ -373,4 +411,5 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "train": train,
     "structured": structured,
     "serve": serve,
+    "isolated": isolated,
 }
