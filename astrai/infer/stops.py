@@ -11,14 +11,16 @@ from __future__ import annotations
 def scan_stops(held: str, stops: list[str]) -> tuple[str, str, str | None]:
     """Split held text into (emit now, keep holding, matched stop string or None).
 
-    On a match, everything before the earliest stop string is emitted and the rest dropped.
-    Only held text is searched: emitted text never contains the start of a stop string.
+    On a match, the stop string that is complete first as the text grows wins (the earliest end;
+    of two ending together, the longer), so the result does not depend on how the text was cut
+    into pieces; everything before it is emitted and the rest dropped. Only held text is
+    searched: emitted text never contains the start of a stop string.
     """
     if not stops:
         return held, "", None
-    found = [(i, stop) for stop in stops if (i := held.find(stop)) >= 0]
+    found = [(i + len(stop), i, stop) for stop in stops if (i := held.find(stop)) >= 0]
     if found:
-        i, stop = min(found)
+        _, i, stop = min(found)
         return held[:i], "", stop
     keep = 0
     for stop in stops:
