@@ -669,6 +669,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_chunk: int = 512
     """Prompt tokens prefilled per step (padded batch included), so long prompts advance a chunk
     at a time while running streams keep decoding."""
+    chunked_prefill: bool = True
+    """Mix prompt chunks and decode tokens in one step. Off: a step with prompts to prefill
+    feeds each of them whole and decodes nothing (running streams pause while a long prompt is
+    computed); for measuring what chunking is worth."""
     max_waiting: int = 0
     """Requests that may wait for a place in the batch; one more is refused (`Overloaded`,
     HTTP 429 / 529). 0: no limit."""

@@ -124,7 +124,12 @@ def init_engine(
         cfg, config.num_pages, config.page_size, DTYPES[config.dtype], torch.device(config.device)
     )
     sched = init_scheduler(
-        pool, config.page_size, config.max_batch, config.prefill_chunk, config.prefix_cache
+        pool,
+        config.page_size,
+        config.max_batch,
+        config.prefill_chunk,
+        config.prefix_cache,
+        config.chunked_prefill,
     )
     return EngineState(cfg, tokenizer, config, sched, [], Totals())
 

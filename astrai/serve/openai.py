@@ -86,6 +86,7 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int, top_logprobs: int | No
         "stop": stop_list(req.stop),
         "logprobs": True if top_logprobs is not None else None,
         "top_logprobs": top_logprobs or None,
+        "ignore_eos": req.ignore_eos or None,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -90,6 +90,7 @@ class SamplingFields(Struct, kw_only=True):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # beyond OpenAI, as vLLM has it: only max_tokens and stop end it
 
 
 class ChatRequest(SamplingFields, kw_only=True):

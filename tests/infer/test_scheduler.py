@@ -103,3 +103,19 @@ def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
     s, _ = plan_step(s)
     assert b in s.running and c in s.running
     assert b.computed == c.computed == 8  # both reuse a's two full pages
+
+
+def test_without_chunked_prefill_a_step_feeds_whole_prompts_and_decodes_nothing():
+    pool = init_pages(CFG, 64, 4)
+    s = init_scheduler(pool, 4, 8, 16, chunked_prefill=False)
+    short = Sequence("short", [1, 2, 3], 3)
+    s = add_sequence(s, short)
+    s, _ = step(s)
+    long = Sequence("long", list(range(16)) * 5, 80)
+    s = add_sequence(s, long)
+    s, plan = plan_step(s)
+    assert plan.decode == []  # the running stream pauses
+    assert [(seq.id, n) for seq, n in plan.prefill] == [("long", 80)]  # over the budget: alone
+    s = ran(s, plan)
+    s, plan = plan_step(s)
+    assert plan.decode == [short, long] and plan.prefill == []
