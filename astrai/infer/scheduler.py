@@ -102,6 +102,7 @@ def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
 
 
 def _admit(s: Scheduler) -> Scheduler:
+    promised = 0  # pages the prompts admitted in this call will take as they are prefilled
     for seq in list(s.waiting):
         if len(s.running) >= s.max_batch:
             break
@@ -112,8 +113,9 @@ def _admit(s: Scheduler) -> Scheduler:
         if _same_prefix_in_prefill(s, seq, len(cached)):
             continue
         needed = pages_for(len(seq.tokens), s.page_size) - len(cached)
-        if s.running and needed > available_pages(s):
+        if s.running and needed > available_pages(s) - promised:
             break  # wait for pages rather than thrash; the oldest is always let in
+        promised += needed
         s.waiting.remove(seq)
         s.pool = share_pages(s.pool, cached)
         seq.pages, seq.computed = list(cached), len(cached) * s.page_size

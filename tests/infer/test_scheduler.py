@@ -90,6 +90,20 @@ def test_out_of_pages_preempts_the_newest_and_frees_its_pages():
     assert num_free_pages(s.pool) == 6
 
 
+def test_admission_counts_the_pages_it_already_promised():
+    s = scheduler(num_pages=6, page_size=4, prefix_cache=False)
+    s = add_sequence(s, Sequence("a", [1] * 4, 4))
+    s, _ = step(s)  # a runs on 1 page; 5 are free
+    b, c = Sequence("b", [2] * 12, 12), Sequence("c", [3] * 12, 12)
+    s = add_sequence(s, b)
+    s = add_sequence(s, c)
+    s, plan = plan_step(s)
+    # b's prompt takes 3 of the 5; c's 3 more are not there, though 5 are free right now
+    # (admitted, c would take pages a needs, and one of them be preempted)
+    assert [seq.id for seq in s.running] == ["a", "b"] and list(s.waiting) == [c]
+    assert plan.preempted == []
+
+
 def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
     s = scheduler(prefill_chunk=4)
     a, b, c = (Sequence(x, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9) for x in "abc")
