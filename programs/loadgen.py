@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="the engine's max_batch, also B of static batching")  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token objective")  # fmt: skip
     p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput: mean inter-token latency objective")  # fmt: skip
+    p.add_argument("--serve-args", default="", help='more `just serve` flags for every server, e.g. "--prefill-chunk-decoding 32"')  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench-serve", help="where run folders and the model go")  # fmt: skip
     args = p.parse_args(argv)
@@ -189,6 +191,7 @@ def run_variant(variant, args, folder, vocab, shape_of, rates_of, slo, run_dir, 
         all_rates(None)
         return runs
     server_flags = ["--max-batch", str(args.max_batch), "--max-waiting", "0", *flags]
+    server_flags += shlex.split(args.serve_args)
     with serve_process(folder, server_flags, run_dir / f"serve-{variant}.log") as url:
         warm_up(url, vocab)
         all_rates(url)
@@ -220,6 +223,7 @@ def run_bench(args, log=print) -> dict:
         "config": {
             "size": args.size,
             "max_batch": args.max_batch,
+            "serve_args": args.serve_args,
             "seed": args.seed,
             "shapes": {k: dataclasses.asdict(v) for k, v in shape_of.items()},
             "objective": dataclasses.asdict(slo),

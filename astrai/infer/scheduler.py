@@ -46,6 +46,7 @@ class Scheduler:
     max_batch: int
     prefill_chunk: int
     chunked_prefill: bool = True
+    prefill_chunk_decoding: int | None = None  # the budget while some sequence decodes
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # in arrival order
     arrivals: int = 0
@@ -68,9 +69,12 @@ def init_scheduler(
     prefill_chunk: int,
     prefix_cache: bool = True,
     chunked_prefill: bool = True,
+    prefill_chunk_decoding: int | None = None,
 ) -> Scheduler:
     cache = init_prefix_cache(page_size) if prefix_cache else None
-    return Scheduler(pool, cache, page_size, max_batch, prefill_chunk, chunked_prefill)
+    return Scheduler(
+        pool, cache, page_size, max_batch, prefill_chunk, chunked_prefill, prefill_chunk_decoding
+    )
 
 
 def add_sequence(s: Scheduler, seq: Sequence) -> Scheduler:
@@ -202,13 +206,16 @@ def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
                 decode.append(seq)
     prefill: list[tuple[Sequence, int]] = []
     chunk = 0
+    budget = s.prefill_chunk
+    if decode and s.prefill_chunk_decoding is not None:
+        budget = s.prefill_chunk_decoding  # streams wait for this step: keep it short
     for seq in list(s.running) if s.chunked_prefill else []:  # else no prompt fits now
         if seq.pending <= 1 or seq not in s.running:
             continue
         # rows are padded to the first chunk's length; the padded batch stays within budget
-        n = min(seq.pending, chunk or s.prefill_chunk)
+        n = min(seq.pending, chunk or budget)
         chunk = chunk or n
-        if (len(prefill) + 1) * chunk > s.prefill_chunk:
+        if (len(prefill) + 1) * chunk > budget:
             break
         s = _reserve(s, seq, seq.computed + n, preempted)
         if seq in s.running:

@@ -130,6 +130,7 @@ def init_engine(
         config.prefill_chunk,
         config.prefix_cache,
         config.chunked_prefill,
+        config.prefill_chunk_decoding,
     )
     return EngineState(cfg, tokenizer, config, sched, [], Totals())
 

@@ -133,3 +133,19 @@ def test_without_chunked_prefill_a_step_feeds_whole_prompts_and_decodes_nothing(
     s = ran(s, plan)
     s, plan = plan_step(s)
     assert plan.decode == [short, long] and plan.prefill == []
+
+
+def test_while_streams_decode_prompts_get_the_smaller_budget():
+    pool = init_pages(CFG, 64, 4)
+    s = init_scheduler(pool, 4, 8, 16, prefill_chunk_decoding=4)
+    long = Sequence("long", list(range(16)) * 3, 48)
+    s = add_sequence(s, long)
+    s, plan = step(s)
+    assert [n for _, n in plan.prefill] == [16]  # nobody decodes: the whole budget
+    short = Sequence("short", [1, 2, 3], 3)
+    s = add_sequence(s, short)
+    s, _ = step(s)
+    while long.pending > 1:
+        s, plan = step(s)
+        if plan.decode:
+            assert sum(n for _, n in plan.prefill) <= 4
