@@ -231,6 +231,7 @@ def run_bench(args, log=print) -> dict:
         "runs": runs,
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (run_dir / "results.md").write_text(markdown(results))
     try:
         from load.plots import draw
 
@@ -240,6 +241,29 @@ def run_bench(args, log=print) -> dict:
         log(str(exc))
     results["run_dir"] = str(run_dir)
     return results
+
+
+COLUMNS = [
+    ("output tok/s", "output_tok_s"), ("req/s", "requests_s"), ("goodput req/s", "goodput_requests_s"),
+    ("TTFT p50 / p90 / p99 ms", "ttft"), ("ITL p50 / p90 / p99 ms", "itl"),
+    ("e2e p50 / p90 / p99 ms", "e2e"),
+]  # fmt: skip
+
+
+def markdown(results: dict) -> str:
+    """One table row per (workload, variant, rate)."""
+    head = ["workload", "variant", "rate", *(title for title, _ in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in results["runs"]:
+        f = run["figures"]
+        cells = [run["workload"], run["variant"], _rate(run["rate"])]
+        for _, key in COLUMNS:
+            if key in f:
+                cells.append(f"{f[key]:,.2f}")
+            else:
+                cells.append(" / ".join(f"{f[f'{key}_p{q}_ms']:,.0f}" for q in (50, 90, 99)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def problems(results: dict) -> list[str]:
