@@ -39,6 +39,10 @@ bench *ARGS:
 eval *ARGS:
     python programs/eval.py {{ARGS}}
 
+# Serving benchmark on realistic traffic, over HTTP to `just serve`: just bench-serve [--quick]
+bench-serve *ARGS:
+    python programs/loadgen.py {{ARGS}}
+
 # Draw a run's curves to a PNG: just plot RUN_DIR
 plot *ARGS:
     python programs/plot.py {{ARGS}}

@@ -797,6 +797,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_chunk: int = 512
     """Prompt tokens prefilled per step (padded batch included), so long prompts advance a chunk
     at a time while running streams keep decoding."""
+    prefill_chunk_decoding: int | None = None
+    """The same budget for a step in which other requests decode. A prompt token costs compute
+    that a decode step, bound by reading the weights, does not: a smaller budget keeps the
+    inter-token latency of running streams steady, a larger one gives new requests their first
+    token sooner. Not set: `prefill_chunk`."""
+    chunked_prefill: bool = True
+    """Mix prompt chunks and decode tokens in one step. Off: a step with prompts to prefill
+    feeds each of them whole and decodes nothing (running streams pause while a long prompt is
+    computed); for measuring what chunking is worth."""
     max_waiting: int = 0
     """Requests that may wait for a place in the batch; one more is refused (`Overloaded`,
     HTTP 429 / 529). 0: no limit."""
@@ -817,7 +826,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _require_positive(self, "page_size", "max_batch", "prefill_chunk")
         _require_non_negative(self, "max_waiting")
-        for name in ("num_pages", "max_seq_len"):
+        for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
 

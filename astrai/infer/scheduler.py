@@ -45,6 +45,8 @@ class Scheduler:
     page_size: int
     max_batch: int
     prefill_chunk: int
+    chunked_prefill: bool = True
+    prefill_chunk_decoding: int | None = None  # the budget while some sequence decodes
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # in arrival order
     arrivals: int = 0
@@ -61,10 +63,18 @@ class StepPlan:
 
 
 def init_scheduler(
-    pool: Pool, page_size: int, max_batch: int, prefill_chunk: int, prefix_cache: bool = True
+    pool: Pool,
+    page_size: int,
+    max_batch: int,
+    prefill_chunk: int,
+    prefix_cache: bool = True,
+    chunked_prefill: bool = True,
+    prefill_chunk_decoding: int | None = None,
 ) -> Scheduler:
     cache = init_prefix_cache(page_size) if prefix_cache else None
-    return Scheduler(pool, cache, page_size, max_batch, prefill_chunk)
+    return Scheduler(
+        pool, cache, page_size, max_batch, prefill_chunk, chunked_prefill, prefill_chunk_decoding
+    )
 
 
 def add_sequence(s: Scheduler, seq: Sequence) -> Scheduler:
@@ -96,6 +106,7 @@ def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
 
 
 def _admit(s: Scheduler) -> Scheduler:
+    promised = 0  # pages the prompts admitted in this call will take as they are prefilled
     for seq in list(s.waiting):
         if len(s.running) >= s.max_batch:
             break
@@ -106,8 +117,9 @@ def _admit(s: Scheduler) -> Scheduler:
         if _same_prefix_in_prefill(s, seq, len(cached)):
             continue
         needed = pages_for(len(seq.tokens), s.page_size) - len(cached)
-        if s.running and needed > available_pages(s):
+        if s.running and needed > available_pages(s) - promised:
             break  # wait for pages rather than thrash; the oldest is always let in
+        promised += needed
         s.waiting.remove(seq)
         s.pool = share_pages(s.pool, cached)
         seq.pages, seq.computed = list(cached), len(cached) * s.page_size
@@ -155,11 +167,36 @@ def _reserve(s: Scheduler, seq: Sequence, end: int, preempted: list[Sequence]) -
     return s
 
 
+def _whole_prompts(
+    s: Scheduler, preempted: list[Sequence]
+) -> tuple[Scheduler, list[tuple[Sequence, int]]]:
+    """Without chunked prefill: the step prefills whole prompts, in arrival order, as many as
+    fit the token budget once padded to the longest (always at least one) and the pages free
+    now; it decodes nothing. When no prompt fits the pages, the step decodes instead."""
+    prefill: list[tuple[Sequence, int]] = []
+    width = 0
+    for seq in [seq for seq in s.running if seq.pending > 1]:
+        width = max(width, seq.pending)
+        if prefill and (len(prefill) + 1) * width > s.prefill_chunk:
+            break
+        # a whole prompt takes only pages nobody holds: preempting for it would be undone
+        # by the next admission, and the paused streams would never decode again
+        if pages_for(len(seq.tokens), s.page_size) - len(seq.pages) > available_pages(s):
+            break
+        s = _reserve(s, seq, seq.computed + seq.pending, preempted)
+        prefill.append((seq, seq.pending))
+    return s, prefill
+
+
 def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
     """Decide this step's work and reserve its pages (see the module docstring). Returns
     (scheduler, plan); the scheduler is donated."""
     s = _admit(s)
     preempted: list[Sequence] = []
+    if not s.chunked_prefill and any(seq.pending > 1 for seq in s.running):
+        s, prefill = _whole_prompts(s, preempted)
+        if prefill:
+            return s, StepPlan([], prefill, preempted)
     decode = []
     for seq in list(s.running):
         # a sequence preempted earlier in this loop is no longer running
@@ -169,13 +206,16 @@ def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
                 decode.append(seq)
     prefill: list[tuple[Sequence, int]] = []
     chunk = 0
-    for seq in list(s.running):
+    budget = s.prefill_chunk
+    if decode and s.prefill_chunk_decoding is not None:
+        budget = s.prefill_chunk_decoding  # streams wait for this step: keep it short
+    for seq in list(s.running) if s.chunked_prefill else []:  # else no prompt fits now
         if seq.pending <= 1 or seq not in s.running:
             continue
         # rows are padded to the first chunk's length; the padded batch stays within budget
-        n = min(seq.pending, chunk or s.prefill_chunk)
+        n = min(seq.pending, chunk or budget)
         chunk = chunk or n
-        if (len(prefill) + 1) * chunk > s.prefill_chunk:
+        if (len(prefill) + 1) * chunk > budget:
             break
         s = _reserve(s, seq, seq.computed + n, preempted)
         if seq in s.running:

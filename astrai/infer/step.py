@@ -132,7 +132,13 @@ def init_engine(
         cfg, config.num_pages, config.page_size, DTYPES[config.dtype], torch.device(config.device)
     )
     sched = init_scheduler(
-        pool, config.page_size, config.max_batch, config.prefill_chunk, config.prefix_cache
+        pool,
+        config.page_size,
+        config.max_batch,
+        config.prefill_chunk,
+        config.prefix_cache,
+        config.chunked_prefill,
+        config.prefill_chunk_decoding,
     )
     return EngineState(cfg, tokenizer, config, sched, [], Totals())
 

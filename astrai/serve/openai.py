@@ -100,6 +100,7 @@ def sampling_kwargs(
         "logprobs": True if top_logprobs is not None else None,
         "top_logprobs": top_logprobs or None,
         "constraint": constraint,
+        "ignore_eos": req.ignore_eos or None,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -131,6 +131,7 @@ class SamplingFields(Struct, kw_only=True):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # beyond OpenAI, as vLLM has it: only max_tokens and stop end it
     response_format: ResponseFormat | None = None
     # vLLM's extra body fields for constrained decoding (the newer one and the older names)
     structured_outputs: StructuredOutputs | None = None

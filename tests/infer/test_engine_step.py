@@ -27,13 +27,14 @@ def mixed_requests(cfg, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
-def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page():
+@pytest.mark.parametrize("chunked_prefill", [True, False])
+def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunked_prefill):
     params, cfg = make_model("gqa")
     requests = mixed_requests(cfg, 64)
     # 48 pages of 4 tokens for up to 16 requests of up to 48 tokens: pages run out
     state = ai.init_engine(
         params, cfg, None, page_size=4, num_pages=48, max_batch=16, prefill_chunk=32,
-        max_seq_len=64,
+        max_seq_len=64, chunked_prefill=chunked_prefill,
     )  # fmt: skip
     free_at_start = num_free_pages(state.sched.pool)
     prepared = ai.prepare_params(params)  # the decoding layout; same values

@@ -90,6 +90,20 @@ def test_out_of_pages_preempts_the_newest_and_frees_its_pages():
     assert num_free_pages(s.pool) == 6
 
 
+def test_admission_counts_the_pages_it_already_promised():
+    s = scheduler(num_pages=6, page_size=4, prefix_cache=False)
+    s = add_sequence(s, Sequence("a", [1] * 4, 4))
+    s, _ = step(s)  # a runs on 1 page; 5 are free
+    b, c = Sequence("b", [2] * 12, 12), Sequence("c", [3] * 12, 12)
+    s = add_sequence(s, b)
+    s = add_sequence(s, c)
+    s, plan = plan_step(s)
+    # b's prompt takes 3 of the 5; c's 3 more are not there, though 5 are free right now
+    # (admitted, c would take pages a needs, and one of them be preempted)
+    assert [seq.id for seq in s.running] == ["a", "b"] and list(s.waiting) == [c]
+    assert plan.preempted == []
+
+
 def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
     s = scheduler(prefill_chunk=4)
     a, b, c = (Sequence(x, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9) for x in "abc")
@@ -103,3 +117,35 @@ def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
     s, _ = plan_step(s)
     assert b in s.running and c in s.running
     assert b.computed == c.computed == 8  # both reuse a's two full pages
+
+
+def test_without_chunked_prefill_a_step_feeds_whole_prompts_and_decodes_nothing():
+    pool = init_pages(CFG, 64, 4)
+    s = init_scheduler(pool, 4, 8, 16, chunked_prefill=False)
+    short = Sequence("short", [1, 2, 3], 3)
+    s = add_sequence(s, short)
+    s, _ = step(s)
+    long = Sequence("long", list(range(16)) * 5, 80)
+    s = add_sequence(s, long)
+    s, plan = plan_step(s)
+    assert plan.decode == []  # the running stream pauses
+    assert [(seq.id, n) for seq, n in plan.prefill] == [("long", 80)]  # over the budget: alone
+    s = ran(s, plan)
+    s, plan = plan_step(s)
+    assert plan.decode == [short, long] and plan.prefill == []
+
+
+def test_while_streams_decode_prompts_get_the_smaller_budget():
+    pool = init_pages(CFG, 64, 4)
+    s = init_scheduler(pool, 4, 8, 16, prefill_chunk_decoding=4)
+    long = Sequence("long", list(range(16)) * 3, 48)
+    s = add_sequence(s, long)
+    s, plan = step(s)
+    assert [n for _, n in plan.prefill] == [16]  # nobody decodes: the whole budget
+    short = Sequence("short", [1, 2, 3], 3)
+    s = add_sequence(s, short)
+    s, _ = step(s)
+    while long.pending > 1:
+        s, plan = step(s)
+        if plan.decode:
+            assert sum(n for _, n in plan.prefill) <= 4

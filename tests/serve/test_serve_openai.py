@@ -57,6 +57,14 @@ def test_chat_completion(client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_ignore_eos_runs_to_max_tokens(client):
+    stopped = chat(client, max_tokens=40, temperature=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 40
+    r = chat(client, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+    assert r.choices[0].message.content.startswith(HELLO_A)
+
+
 def test_text_parts_and_max_completion_tokens(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": HELLO_Q}]}]
     r = chat(client, messages, max_completion_tokens=3, temperature=0)
