@@ -17,6 +17,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,6 +77,14 @@ class SwapParams:
 
 
 @dataclass
+class Call:
+    fn: Callable[[dict[str, torch.Tensor]], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: Exception | None = None
+
+
+@dataclass
 class Close:
     pass
 
@@ -88,7 +97,7 @@ class _Started:
     error: BaseException | None = None
 
 
-Message = Submit | Cancel | SwapParams | Close
+Message = Submit | Cancel | SwapParams | Call | Close
 
 
 @dataclass
@@ -242,11 +251,18 @@ class Engine:
         if swap.error is not None:
             raise swap.error
 
-    @property
-    def params(self) -> dict[str, torch.Tensor]:
-        """The weights the engine decodes with, for reading only (e.g. `forward` to score a
-        prompt's tokens); `update_params` replaces them."""
-        return self._params
+    def call(self, fn: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+        """`fn(weights)` run on the engine thread between two steps, with the weights the engine
+        decodes with (read them, don't change them), and its result; blocks until done. Torch
+        work of the process stays on the one compute thread (e.g. `forward` to score a prompt)."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        call = Call(fn)
+        self._inbox.put(call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
 
     def stats(self) -> dict:
         """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals,
@@ -350,6 +366,13 @@ class Engine:
                 finally:
                     self._refresh_snapshot()
                     done.set()
+            case Call(fn, done):
+                try:
+                    message.result = fn(self._params)
+                except Exception as exc:
+                    message.error = exc
+                finally:
+                    done.set()
 
     def _step(self, news: bool) -> None:
         events: list[StreamEvent] = []
@@ -391,7 +414,8 @@ class Engine:
                 case Submit(seq, sink):
                     self._sinks[seq.id] = sink
                     self._state = enqueue(self._state, seq)
-                case SwapParams(_, done):
+                case SwapParams(_, done) | Call(_, done):
+                    message.error = RuntimeError("the engine is closed")
                     done.set()
         self._state = end_all(self._state, "abort")
         self._state, events = engine_step(self._state, self._params)

@@ -324,7 +324,10 @@ def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> 
     engine's weights, as logprob entries (what lm-evaluation-harness reads from `echo`); the
     first token has none. One prompt per forward pass: a [T, vocab] block of logits at most."""
     pairs = [(ids[:1], ids[1:]) for ids in prompts if len(ids) > 1]
-    scored = iter(score_pairs(engine.params, engine.cfg, pairs, 1, context, top=top))
+    # on the engine's thread, with its weights: one compute thread in the server process
+    scored = iter(
+        engine.call(lambda params: score_pairs(params, engine.cfg, pairs, 1, context, top=top))
+    )
     entries = []
     for ids in prompts:
         first = [{"token_id": ids[0], "logprob": None, "top": None}] if ids else []

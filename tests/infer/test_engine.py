@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from infer_models import BASE, CONFIGS, greedy_reference, make_model
-from numerics import approx, forward_roundings
+from numerics import approx, assert_close, forward_roundings
 
 import astrai as ai
 import astrai.infer.step as engine_module
@@ -304,6 +304,20 @@ def test_update_params_swaps_weights_and_clears_the_cache():
         out = engine.generate([prompt], max_tokens=5, **GREEDY)[0]
     assert out.usage.cached_tokens == 0
     assert out.token_ids == greedy_reference(other, cfg, prompt, 5)
+
+
+def test_call_runs_on_the_engine_thread_with_its_weights():
+    params, cfg = make_model("gqa")
+    tokens = torch.tensor([prompts_for(cfg, [7])[0]])
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
+        thread, logits = engine.call(
+            lambda weights: (threading.current_thread().name, ai.forward(weights, cfg, tokens))
+        )
+        with pytest.raises(ZeroDivisionError):
+            engine.call(lambda weights: 1 / 0)
+        assert engine.generate([[1, 2, 3]], max_tokens=2, **GREEDY)[0].finish_reason == "length"
+    assert thread == "astrai-engine"
+    assert_close(logits, ai.forward(params, cfg, tokens), forward_roundings(cfg, tokens.shape[1]))
 
 
 def test_requests_running_across_update_params_are_not_cached():
