@@ -153,7 +153,7 @@ def trained(tmp_path_factory):
         state, metrics = train_step(state, {"input_ids": data[16 * step % 384 :][:16]})
         losses.append(metrics["loss"])
     assert losses[-1] < losses[0] / 2  # it learned something: its greedy text is no noise
-    params = state["params"]
+    params = state.params
     folder = tmp_path_factory.mktemp("trained")
     ai.save_pretrained(folder / "model", params, cfg, tokenizer=tokenizer)
     return folder, params, cfg, tokenizer
