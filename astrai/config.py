@@ -367,6 +367,17 @@ class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.prompts_per_round * self.group_size
 
 
+class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[parallel]: how the ranks `torchrun` starts share the model (docs/training.md compares
+    the modes)."""
+
+    mode: Literal["data", "sharded"] = "data"
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "sharded"
+
+
 class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A training run: the model, its data, the optimizer and how the loop runs."""
 
@@ -399,6 +410,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lora: LoraConfig = LoraConfig()
     data: TrainDataConfig = TrainDataConfig()
     grpo: GrpoConfig = GrpoConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -419,6 +431,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.rollouts:
             self._check_rounds()
+        if self.parallel.sharded:
+            self._check_sharded()
 
     @property
     def rollouts(self) -> bool:
@@ -429,6 +443,18 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def steps_per_round(self) -> int:
         """Optimizer steps between two rollouts: `epochs` passes of batch_size rows each."""
         return self.grpo.epochs * self.grpo.rows // self.batch_size
+
+    def _check_sharded(self) -> None:
+        # Sharded params are DTensors gathered as the model reads them: eager torch.autograd only.
+        unsupported = {
+            "lora.rank > 0 (adapters are small: train them with mode 'data')": self.lora.rank,
+            "compile = true": self.compile,
+            "grad_engine 'func'": self.grad_engine == "func",
+            "grpo rollouts (the Engine needs whole weights)": self.rollouts,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"parallel.mode 'sharded' does not support {what}")
 
     def _check_rounds(self) -> None:
         if self.grpo.rows % self.batch_size:

@@ -25,6 +25,7 @@ from astrai.config import (
     LossConfig,
     ModelConfig,
     OptimizerConfig,
+    ParallelConfig,
     RopeScaling,
     ScheduleConfig,
     ServeConfig,
@@ -78,8 +79,9 @@ MEANINGS: dict[type, dict[str, str]] = {
         "max_steps": "Optimizer steps of the whole run; schedules end here.",
         "batch_size": "Sequences per optimizer step, summed over ranks and micro-batches.",
         "grad_accum": "Micro-batches per optimizer step; must divide `batch_size`.",
-        "precision": "`bfloat16` runs the forward pass under autocast; weights and optimizer "
-        "moments stay float32.",
+        "precision": "`bfloat16` runs the forward and backward matrix products under autocast "
+        "(bf16 compute); weights, gradients and optimizer moments stay float32 (master weights), "
+        "in both parallel modes.",
         "device": '`"auto"` (CUDA when available, else CPU), `"cpu"`, `"cuda"`, `"cuda:1"`, ...',
         "compile": "Run the gradient computation through `torch.compile`.",
         "activation_checkpointing": "Recompute each layer's activations in the backward pass: "
@@ -102,6 +104,7 @@ MEANINGS: dict[type, dict[str, str]] = {
         "lora": "The `[lora]` table.",
         "data": "The `[data]` table.",
         "grpo": 'The `[grpo]` table: online rollouts for `kind = "grpo"` on a prompt dataset.',
+        "parallel": "The `[parallel]` table: data parallel or sharded training under torchrun.",
     },
     ModelConfig: {
         "vocab_size": "Rows of the embedding and the output head; at least the tokenizer's "
@@ -223,6 +226,13 @@ MEANINGS: dict[type, dict[str, str]] = {
         "valid": "A held-out prepared folder; empty = no evaluation.",
         "seq_len": "synthetic: tokens per row.",
         "shuffle": "Shuffle the training data each epoch.",
+    },
+    ParallelConfig: {
+        "mode": "`data`: every rank holds the whole model, gradients are all-reduced. "
+        "`sharded` (ZeRO-3 / FSDP): each rank holds 1/N of the params, gradients and optimizer "
+        "moments; each layer's weights are all-gathered for its forward and again for its "
+        "backward (the layer is recomputed), and gradients are reduce-scattered. Not with "
+        "LoRA, `compile` or grpo rollouts; checkpoints are sharded (torch.distributed.checkpoint).",
     },
     GrpoConfig: {
         "group_size": "Completions sampled per prompt; advantages compare the completions of "

@@ -1,0 +1,109 @@
+"""Sharded training (parallel.mode = "sharded") under torchrun with gloo on CPU processes: the
+same weights as one process, 1/N of the state per rank, sharded checkpoints that resume at
+another world size and survive a killed rank.
+
+Tolerances come from float32's machine epsilon (a local helper: the run's sums are taken in
+another order over ranks, so results agree to rounding, not bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_run import ROOT, TINY, run_program, tiny_config, write_toml
+
+from astrai.model import init_params, load_pretrained
+
+TRAIN = str(ROOT / "programs" / "train.py")
+PROBE = str(ROOT / "tests" / "train" / "sharded_probe.py")
+
+
+def tolerance(dtype: torch.dtype, factor: float) -> float:
+    """factor times the dtype's machine epsilon."""
+    return factor * torch.finfo(dtype).eps
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300):
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return run_program(*launch, *args, timeout=timeout)
+
+
+def sharded_config(**overrides) -> dict:
+    return tiny_config(
+        max_steps=3,
+        batch_size=8,
+        grad_accum=2,
+        log_every=1,
+        schedule={"name": "cosine", "warmup_steps": 1},
+        parallel={"mode": "sharded"},
+        **overrides,
+    )
+
+
+def train(tmp_path, name: str, nproc: int, cfg: dict):
+    toml = write_toml(tmp_path / f"{name}.toml", {**cfg, "out_dir": name})
+    if nproc == 1:
+        done = run_program(TRAIN, str(toml), "--fresh")
+    else:
+        done = torchrun(nproc, TRAIN, str(toml), "--fresh")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return load_pretrained(tmp_path / name / "model")[0]
+
+
+# SGD's update is linear in the gradient, so rounding differences stay rounding-sized: each
+# step moves a weight by lr * g with g summed in another order (relative error ~ a few eps
+# times the number of terms). AdamW divides by sqrt(v): where a gradient is all cancellation
+# its rounding becomes a full step, so its bound is a small multiple of lr per step.
+OPTIMIZERS = {
+    "sgd": ({"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}, None),
+    "adamw": ({"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.05}, 1e-3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sharded_ranks_match_one_process(tmp_path, optimizer):
+    opt, lr = OPTIMIZERS[optimizer]
+    cfg = sharded_config(optimizer=opt)
+    one = train(tmp_path, "one", 1, cfg)
+    start = init_params(TINY, seed=cfg.get("seed", 0))
+    assert any(not torch.allclose(start[k], one[k]) for k in one)  # training moved the weights
+    for nproc in (2, 4) if optimizer == "sgd" else (2,):
+        many = train(tmp_path, f"sharded{nproc}", nproc, cfg)
+        for k in one:
+            rtol = tolerance(torch.float32, 1000)
+            # A near-cancelling AdamW gradient may flip the sign of its step: 2 lr per step.
+            atol = tolerance(torch.float32, 1000) if lr is None else 2 * lr * cfg["max_steps"]
+            torch.testing.assert_close(many[k], one[k], rtol=rtol, atol=atol, msg=k)
+        if lr is not None:  # and almost every weight agrees to rounding
+            flat = torch.cat([(many[k] - one[k]).abs().flatten() for k in one])
+            assert (flat > tolerance(torch.float32, 1000)).float().mean() < 0.01
+    # The logged losses and gradient norms agree as well.
+    log = [
+        json.loads(x) for x in (tmp_path / "sharded2" / "metrics.jsonl").read_text().splitlines()
+    ]
+    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(log, ref, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.float32, 100))
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc):
+    out = tmp_path / "probe.json"
+    done = torchrun(nproc, PROBE, str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(reports) == nproc
+    for r in reports:
+        whole, held = r["whole_bytes"], r["held_bytes"]
+        # params + gradients + both AdamW moments: 1/N of the whole, up to one row per tensor
+        # that does not split evenly over the ranks.
+        assert whole / nproc - r["slack_bytes"] <= held <= whole / nproc + r["slack_bytes"]
+        # Gathered weights alive at once: at most one layer plus the embedding/head and norm,
+        # which are read outside the layers (not the whole model); at least the largest weight.
+        assert r["largest_tensor_bytes"] <= r["peak_gathered_bytes"]
+        assert r["peak_gathered_bytes"] <= r["layer_bytes"] + r["outside_layers_bytes"]
