@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import msgspec
@@ -31,7 +32,7 @@ from torch.distributed.tensor import empty as sharded_empty
 
 import astrai.train.checkpoint as ckpt
 from astrai.config import ModelConfig, TrainConfig, model_config_from_json, write_model_config
-from astrai.model import param_shapes
+from astrai.model import param_shapes, save_pretrained
 from astrai.train.distributed import barrier
 from astrai.train.state import TrainState, init_train_state
 
@@ -111,7 +112,7 @@ def load_sharded_train_state(
     params = _empty_params(saved_model_cfg, device, mesh)
     state = init_train_state(params, train_cfg, saved_model_cfg)
     tensors = _tensors(state)
-    dcp.load(tensors, checkpoint_id=path)  # fills the tensors in place, in this layout
+    _load(tensors, path)  # fills the tensors in place, in this layout
     scalars = ckpt._unflatten(meta["scalars"]).get("opt", {})
     return state._replace(
         opt={**state.opt, **scalars},
@@ -122,6 +123,13 @@ def load_sharded_train_state(
         cursor=meta["cursor"],
         model_config=model_cfg or saved_model_cfg,
     )
+
+
+def _load(tensors: dict, path: Path) -> None:
+    """dcp.load, in one process when no process group is running (without its warning)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
 def _empty_params(cfg: ModelConfig, device, mesh: DeviceMesh | None) -> dict:
@@ -149,12 +157,21 @@ def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """A training checkpoint (sharded or whole) -> a model folder `load_pretrained` and
-    `just serve` read (model.safetensors, config.json, tokenizer files), in one process."""
+    `just serve` read (model.safetensors, config.json, tokenizer files), in one process. Of a
+    sharded checkpoint only the params are read, each tensor whole."""
     from astrai.train.loop import export_model
 
-    state = ckpt.load_train_state(path)
-    export_model(state, Path(out))
+    path, out = Path(path), Path(out)
+    if not (path / "train_state.json").exists():
+        raise FileNotFoundError(f"{path}: not a training checkpoint (no train_state.json)")
+    if is_sharded_checkpoint(path):
+        model_cfg = model_config_from_json(path / "config.json")
+        params = _empty_params(model_cfg, "cpu", None)
+        _load({"params": params}, path)
+        save_pretrained(out, params, model_cfg)
+    else:
+        export_model(ckpt.load_train_state(path), out)
     for name in ckpt.TOKENIZER_FILES:
-        if (Path(path) / name).exists():
-            shutil.copyfile(Path(path) / name, Path(out) / name)
-    return Path(out)
+        if (path / name).exists():
+            shutil.copyfile(path / name, out / name)
+    return out

@@ -9,12 +9,19 @@ another order over ranks, so results agree to rounding, not bit for bit).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from tiny_run import ROOT, TINY, run_program, tiny_config, write_toml
 
 from astrai.model import init_params, load_pretrained
+from astrai.train.checkpoint import latest_checkpoint
 
 TRAIN = str(ROOT / "programs" / "train.py")
 PROBE = str(ROOT / "tests" / "train" / "sharded_probe.py")
@@ -31,15 +38,15 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
 
 
 def sharded_config(**overrides) -> dict:
-    return tiny_config(
-        max_steps=3,
-        batch_size=8,
-        grad_accum=2,
-        log_every=1,
-        schedule={"name": "cosine", "warmup_steps": 1},
-        parallel={"mode": "sharded"},
-        **overrides,
-    )
+    defaults = {
+        "max_steps": 3,
+        "batch_size": 8,
+        "grad_accum": 2,
+        "log_every": 1,
+        "schedule": {"name": "cosine", "warmup_steps": 1},
+        "parallel": {"mode": "sharded"},
+    }
+    return tiny_config(**{**defaults, **overrides})
 
 
 def train(tmp_path, name: str, nproc: int, cfg: dict):
@@ -107,3 +114,86 @@ def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc):
         # which are read outside the layers (not the whole model); at least the largest weight.
         assert r["largest_tensor_bytes"] <= r["peak_gathered_bytes"]
         assert r["peak_gathered_bytes"] <= r["layer_bytes"] + r["outside_layers_bytes"]
+
+
+def resume(tmp_path, name: str, nproc: int, cfg: dict, checkpoint):
+    toml = write_toml(tmp_path / f"{name}.toml", {**cfg, "out_dir": name})
+    args = (TRAIN, str(toml), "--resume", str(checkpoint))
+    done = run_program(*args) if nproc == 1 else torchrun(nproc, *args)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return load_pretrained(tmp_path / name / "model")[0]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    for k in a:  # SGD: rounding-sized differences, as above
+        torch.testing.assert_close(a[k], b[k], rtol=tolerance(torch.float32, 1000), atol=1e-6)
+
+
+SGD = {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
+    cfg = sharded_config(optimizer=SGD, max_steps=6, checkpoint_every=2)
+    whole_run = train(tmp_path, "two", 2, cfg)
+    ckpt = tmp_path / "two" / "checkpoints" / "step_00000004"
+    files = {p.name for p in ckpt.iterdir()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= files
+    assert "model.safetensors" not in files  # no rank held the whole model
+    assert_same_weights(resume(tmp_path, "on1", 1, cfg, ckpt), whole_run)
+    assert_same_weights(resume(tmp_path, "on4", 4, cfg, ckpt), whole_run)
+    # The resumed runs continued from step 4, not from scratch.
+    steps = [json.loads(x)["step"] for x in (tmp_path / "on4" / "metrics.jsonl").open()]
+    assert steps == [5, 6]
+    # The sharded checkpoint exports to a model folder: the numbers the run's export gathered.
+    out = tmp_path / "exported"
+    last = tmp_path / "two" / "checkpoints" / "step_00000006"
+    done = run_program(str(ROOT / "programs" / "export_checkpoint.py"), str(last), str(out))
+    assert done.returncode == 0, done.stderr
+    exported, model_cfg = load_pretrained(out)
+    assert model_cfg == TINY and exported.keys() == whole_run.keys()
+    for k in whole_run:
+        assert torch.equal(exported[k], whole_run[k]), k
+
+
+@pytest.mark.slow
+def test_run_with_a_killed_rank_resumes_from_the_last_sharded_checkpoint(tmp_path):
+    cfg = sharded_config(optimizer=SGD, max_steps=8, checkpoint_every=2)
+    uninterrupted = train(tmp_path, "whole", 2, cfg)
+    toml = write_toml(tmp_path / "killed.toml", {**cfg, "out_dir": "killed"})
+    pid_file = tmp_path / "rank1.pid"
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    script = str(ROOT / "tests" / "train" / "stalling_run.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # Rank 1 stands still after 5 steps: the checkpoint of step 4 is complete, step 5 is not.
+    run = subprocess.Popen(
+        [sys.executable, *launch, script, str(toml), "5", str(pid_file)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not pid_file.exists() or not pid_file.read_text():
+            assert run.poll() is None, run.stdout.read().decode()[-4000:]
+            assert time.monotonic() < deadline, "rank 1 never reached step 5"
+            time.sleep(0.2)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        assert run.wait(timeout=120) != 0  # torchrun ends the whole run when a rank dies
+    finally:
+        if run.poll() is None:
+            run.kill()
+    folder = tmp_path / "killed" / "checkpoints"
+    assert latest_checkpoint(tmp_path / "killed") == folder / "step_00000004"
+    assert not (tmp_path / "killed" / "model").exists()
+    # A save killed before its rename looks like this: the shards written, no train_state.json.
+    partial = folder / ".tmp-step_00000006"
+    shutil.copytree(folder / "step_00000004", partial)
+    (partial / "train_state.json").unlink()
+    assert latest_checkpoint(tmp_path / "killed") == folder / "step_00000004"
+    done = torchrun(2, TRAIN, str(toml))  # resumes from the latest checkpoint
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert not partial.exists()  # removed on start
+    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").open()]
+    assert steps == list(range(1, 9))  # 1-4 before the kill, 5-8 after the resume
+    assert_same_weights(load_pretrained(tmp_path / "killed" / "model")[0], uninterrupted)
