@@ -98,6 +98,25 @@ def test_sharded_ranks_match_one_process(tmp_path, optimizer):
 
 
 @pytest.mark.slow
+def test_sharded_bf16_matches_one_process_in_bf16(tmp_path):
+    # bf16 compute, float32 weights: a rank computes its rows in other blocks than one process
+    # does, so the gradients, and the steps taken, agree to a few bf16 roundings.
+    sgd = {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}
+    cfg = sharded_config(optimizer=sgd, precision="bfloat16")
+    one = train(tmp_path, "one", 1, cfg)
+    two = train(tmp_path, "two", 2, cfg)
+    start = init_params(TINY, seed=0)
+    moved = torch.cat([(one[k] - start[k]).flatten() for k in one])
+    apart = torch.cat([(two[k] - one[k]).flatten() for k in one])
+    print("relative difference of the steps:", (apart.norm() / moved.norm()).item())
+    assert apart.norm() <= tolerance(torch.bfloat16, 4) * moved.norm()
+    log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").open()]
+    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").open()]
+    for a, b in zip(log, ref, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.bfloat16, 4))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc):
     out = tmp_path / "probe.json"
