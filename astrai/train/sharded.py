@@ -36,13 +36,9 @@ def mesh_for(device: torch.device) -> DeviceMesh:
 
 
 def shard_params(params: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, DTensor]:
-    """Whole tensors -> DTensors sharded along dim 0, each rank's piece taken from rank 0's
-    tensor (so all ranks start from the same weights). Each whole tensor is dropped as soon as
-    it is sharded."""
-    out = {}
-    for key in list(params):
-        out[key] = distribute_tensor(params.pop(key), mesh, [Shard(0)])
-    return out
+    """Whole tensors -> DTensors sharded along dim 0, each rank's piece scattered from rank 0's
+    tensor (so all ranks start from the same weights)."""
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in params.items()}
 
 
 def is_sharded(tree) -> bool:

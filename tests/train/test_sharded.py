@@ -216,3 +216,20 @@ def test_run_with_a_killed_rank_resumes_from_the_last_sharded_checkpoint(tmp_pat
     steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").open()]
     assert steps == list(range(1, 9))  # 1-4 before the kill, 5-8 after the resume
     assert_same_weights(load_pretrained(tmp_path / "killed" / "model")[0], uninterrupted)
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        ({"lora": {"rank": 4}}, "lora.rank"),
+        ({"compile": True}, "compile"),
+        ({"grad_engine": "func"}, "grad_engine"),
+    ],
+)
+def test_sharded_mode_names_what_it_does_not_support(setting, words):
+    from astrai.config import ConfigError, train_config
+
+    with pytest.raises(ConfigError, match=f"parallel.mode 'sharded' does not support {words}"):
+        train_config(sharded_config(**setting), "run.toml")
+    with pytest.raises(ConfigError, match="parallel.mode"):
+        train_config(tiny_config(parallel={"mode": "zero3"}), "run.toml")
