@@ -576,6 +576,19 @@ class EvalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"task names must differ, got {names}")
 
 
+class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[parallel]: how the ranks `torchrun` starts share the model (docs/training.md compares
+    the modes)."""
+
+    mode: Literal["data", "sharded"] = "data"
+    """`data`: every rank holds the whole model and gradients are all-reduced; `sharded`:
+    each rank keeps 1/N of parameters, gradients and optimizer state (ZeRO-3 / FSDP)."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "sharded"
+
+
 class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A training run: the model, its data, the optimizer and how the loop runs."""
 
@@ -647,6 +660,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The `[eval]` table: tasks evaluated with the held-out loss every `eval_every` steps (their
     results go to `metrics.jsonl` as `eval/TASK/METRIC`); `model`, `out` and `device` are
     `just eval`'s and unused here."""
+    parallel: ParallelConfig = ParallelConfig()
+    """The `[parallel]` table: how the ranks `torchrun` starts share the model."""
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -667,6 +682,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.rollouts:
             self._check_rounds()
+        if self.parallel.sharded:
+            self._check_sharded()
 
     @property
     def rollouts(self) -> bool:
@@ -677,6 +694,18 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def steps_per_round(self) -> int:
         """Optimizer steps between two rollouts: `epochs` passes of batch_size rows each."""
         return self.grpo.epochs * self.grpo.rows // self.batch_size
+
+    def _check_sharded(self) -> None:
+        # Sharded params are DTensors gathered as the model reads them: eager torch.autograd only.
+        unsupported = {
+            "lora.rank > 0 (adapters are small: train them with mode 'data')": self.lora.rank,
+            "compile = true": self.compile,
+            "grad_engine 'func'": self.grad_engine == "func",
+            "grpo rollouts (the Engine needs whole weights)": self.rollouts,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"parallel.mode 'sharded' does not support {what}")
 
     def _check_rounds(self) -> None:
         if self.grpo.rows % self.batch_size:

@@ -1,7 +1,7 @@
 """Train a model as a TOML file says (docs/training.md lists every key).
 
     python programs/train.py config.toml [--resume [CHECKPOINT]] [--fresh]
-    torchrun --nproc_per_node N programs/train.py config.toml     # data parallel
+    torchrun --nproc_per_node N programs/train.py config.toml     # [parallel] mode: data or sharded
 
 A run continues from the latest checkpoint in its out_dir unless --fresh is given; --resume
 CHECKPOINT continues from that checkpoint folder instead.

@@ -1,5 +1,5 @@
 """Training: optimizers and schedules as pure functions, losses, train_step, the loop,
-checkpoints, torch.distributed data parallelism and GRPO with online rollouts."""
+checkpoints, torch.distributed data parallel and sharded training, and GRPO with online rollouts."""
 
 from astrai.train.batches import BatchSource, open_batches, synthetic_batch
 from astrai.train.checkpoint import (
@@ -40,6 +40,8 @@ from astrai.train.optim import Optimizer, adamw, decay_mask, lion, make_optimize
 from astrai.train.rewards import equation_format, exact_match, load_reward
 from astrai.train.run import Run, evaluate, prepare_batch, run_step, start_run
 from astrai.train.schedules import SCHEDULES, lr_at
+from astrai.train.sharded import gathered, shard_params
+from astrai.train.sharded_checkpoint import export_checkpoint, save_sharded_train_state
 from astrai.train.state import TrainState, init_train_state
 from astrai.train.step import TrainingDiverged, eval_step, train_step
 
@@ -63,7 +65,9 @@ __all__ = [
     "eval_step",
     "evaluate",
     "exact_match",
+    "export_checkpoint",
     "export_model",
+    "gathered",
     "group_advantages",
     "grpo_loss",
     "init_distributed",
@@ -83,12 +87,14 @@ __all__ = [
     "request_seed",
     "run_step",
     "sample_group",
+    "save_sharded_train_state",
     "save_train_state",
     "score",
     "seq_loss",
     "sequence_logps",
     "sft_loss",
     "sgd",
+    "shard_params",
     "start_run",
     "step_batches",
     "synthetic_batch",

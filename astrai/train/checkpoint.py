@@ -162,13 +162,22 @@ def load_train_state(
     train_cfg: TrainConfig | None = None,
     device: str | torch.device = "cpu",
     model_cfg: ModelConfig | None = None,
+    mesh=None,
 ) -> TrainState:
     """Read a checkpoint back into a train state (the inverse of `save_train_state`).
 
     train_cfg defaults to the one saved; passing the current one lets a run be extended
-    (a larger max_steps) or re-tuned on resume.
+    (a larger max_steps) or re-tuned on resume. A sharded checkpoint (written by several ranks,
+    astrai/train/sharded_checkpoint.py) is read too. With a device mesh the state comes back
+    sharded over it, whichever way it was written.
     """
+    from astrai.train import sharded_checkpoint as sharded  # it builds on this module
+
     path = Path(path)
+    if sharded.is_sharded_checkpoint(path):
+        return sharded.load_sharded_train_state(path, train_cfg, device, model_cfg, mesh)
+    if mesh is not None:
+        return sharded.shard_state(load_train_state(path, train_cfg, device, model_cfg), mesh)
     params, saved_model_cfg = load_pretrained(path, device=device)
     meta = json.loads((path / "train_state.json").read_text())
     if meta.get("format") != FORMAT:

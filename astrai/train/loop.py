@@ -22,6 +22,7 @@ from astrai.train.batches import BatchSource, open_batches
 from astrai.train.checkpoint import copy_tokenizer
 from astrai.train.distributed import DistInfo, barrier
 from astrai.train.run import Run, run_step, save_checkpoint, start_run
+from astrai.train.sharded import full_params, is_sharded
 from astrai.train.state import TrainState
 
 # state, the cursor after the batch, the batch -> the state after it (the old one donated)
@@ -56,8 +57,11 @@ def train(
                 last_saved = state.step
     if last_saved != state.step:
         save_checkpoint(state, run)
+    final = state
+    if is_sharded(state.params):  # gathering the whole weights takes every rank
+        final = state._replace(params=full_params(state.params))
     if run.dist.is_main:
-        export_model(state, run.run_dir / "model", train_cfg.tokenizer)
+        export_model(final, run.run_dir / "model", train_cfg.tokenizer)
     barrier()
     return state
 

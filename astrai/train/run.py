@@ -46,6 +46,8 @@ from astrai.train.metrics import (
     show_progress,
     truncate_metrics,
 )
+from astrai.train.sharded import gathered, is_sharded, mesh_for, shard_params
+from astrai.train.sharded_checkpoint import save_sharded_train_state
 from astrai.train.state import TrainState, init_train_state
 from astrai.train.step import eval_step, micro_batches, train_step
 
@@ -124,10 +126,14 @@ def start_state(
     """The checkpoint's state (its cursor moved to this rank), or a fresh one."""
     rows = rows_per_rank(train_cfg, dist.world_size)
     if ckpt is not None:
-        state = load_train_state(ckpt, train_cfg, dist.device)
+        mesh = mesh_for(dist.device) if sharded(train_cfg, dist) else None
+        state = load_train_state(ckpt, train_cfg, dist.device, mesh=mesh)
         return state._replace(cursor=with_rank(state.cursor, dist.rank, dist.world_size, rows))
     params, model_cfg = initial_params(train_cfg, dist.device)
-    broadcast_(list(params.values()))  # every rank starts from rank 0's weights
+    if sharded(train_cfg, dist):  # each rank keeps its part of rank 0's weights
+        params = shard_params(params, mesh_for(dist.device))
+    else:
+        broadcast_(list(params.values()))  # every rank starts from rank 0's weights
     return init_train_state(params, train_cfg, model_cfg, cursor=source_cursor)
 
 
@@ -139,6 +145,12 @@ def initial_params(train_cfg: TrainConfig, device) -> tuple[dict, ModelConfig]:
     return init_params(train_cfg.model, seed=train_cfg.seed, device=device), train_cfg.model
 
 
+def sharded(train_cfg: TrainConfig, dist: DistInfo) -> bool:
+    """Whether this run shards its state: `parallel.mode = "sharded"` over several ranks (one
+    process holds everything either way)."""
+    return train_cfg.parallel.sharded and dist.world_size > 1
+
+
 def needs_reference(train_cfg: TrainConfig) -> bool:
     return train_cfg.kind == "dpo" or (train_cfg.kind == "grpo" and train_cfg.loss.grpo_kl_beta > 0)
 
@@ -147,7 +159,8 @@ def _frozen_copy(train_cfg: TrainConfig, dist: DistInfo, state: TrainState, ckpt
     """The reference model: the starting weights, which a resumed run reloads."""
     if ckpt is None:
         return {k: v.detach().clone() for k, v in state.params.items()}
-    return initial_params(train_cfg, dist.device)[0]
+    params = initial_params(train_cfg, dist.device)[0]
+    return shard_params(params, mesh_for(dist.device)) if sharded(train_cfg, dist) else params
 
 
 # --- one step and what happens around it --------------------------------------------------------
@@ -162,7 +175,8 @@ def prepare_batch(batch: dict, state: TrainState, run: Run) -> dict:
     if run.reference is None:
         return batch
     cfg, opts = state.model_config, run.train_cfg.loss
-    return with_reference_logps(batch, run.train_cfg.kind, run.reference, cfg, opts)
+    reference = gathered(run.reference) if sharded(run.train_cfg, run.dist) else run.reference
+    return with_reference_logps(batch, run.train_cfg.kind, reference, cfg, opts)
 
 
 def evaluate(state: TrainState, run: Run) -> float | None:
@@ -202,7 +216,10 @@ def evaluate_on_tasks(state: TrainState, run: Run) -> dict[str, float]:
 
 
 def save_checkpoint(state: TrainState, run: Run) -> None:
-    if run.dist.is_main:
+    """Rank 0 writes a whole state; every rank writes its part of a sharded one."""
+    if is_sharded(state.params):
+        save_sharded_train_state(run.run_dir, state, run.train_cfg.keep_checkpoints)
+    elif run.dist.is_main:
         save_train_state(run.run_dir, state, run.train_cfg.keep_checkpoints)
 
 

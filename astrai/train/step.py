@@ -22,6 +22,7 @@ from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
 from astrai.train.schedules import lr_at
+from astrai.train.sharded import gathered, is_sharded, local
 from astrai.train.state import TrainState
 
 
@@ -39,6 +40,11 @@ def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig):
     def objective(trainable, params, lora_scale, batch, generator):
         lora = None if lora_scale is None else {"scale": lora_scale, "weights": trainable}
         model_params = params if lora is not None else trainable
+        checkpoint = train_cfg.activation_checkpointing
+        if is_sharded(model_params):
+            # Weights are gathered as the layers read them; checkpointing each layer drops its
+            # gathered weights after its forward and gathers them again for its backward.
+            model_params, checkpoint = gathered(model_params), True
         device_type = batch_device(batch).type
         ctx = (
             torch.autocast(device_type, dtype=torch.bfloat16)
@@ -53,7 +59,7 @@ def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig):
                 train_cfg.kind,
                 train_cfg.loss,
                 lora,
-                train_cfg.activation_checkpointing,
+                checkpoint,
                 generator,
             )
         loss = loss.float()
@@ -173,6 +179,7 @@ def _accumulate(state: TrainState, batch, generator):
             state.trainable, state.params, lora_scale, micro, generator
         )
         leaves, spec = tree_flatten(grads)
+        leaves = [local(g) for g in leaves]  # sharded: this rank's part, summed over ranks
         weight = metrics["weight"].to(state.device)
         # Averages over the global batch are sums of (value * weight) divided by the summed weight.
         tokens = metrics["tokens"].to(state.device)
@@ -205,9 +212,8 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     if train_cfg.kind == "grpo" and isinstance(batch, dict):
         batch = with_advantages(batch, train_cfg.loss)  # on whole groups, before splitting
     grads, spec, names, stats = _accumulate(state, batch, generator)
-    all_reduce_sum_([*grads, stats], train_cfg.bucket_mb)
-    # The grads are sums of weight * gradient; the norm of their mean is norm / total weight.
-    raw_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    sharded = is_sharded(state.trainable)
+    raw_norm, stats = _reduce(grads, stats, sharded, train_cfg.bucket_mb)
     # One host sync per step: the finiteness check, clipping and the metrics need the numbers.
     numbers = torch.cat([raw_norm.reshape(1), stats]).tolist()
     summed = dict(zip(names, numbers[1:]))
@@ -226,12 +232,29 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     clip = max_norm / (norm_value + 1e-6) if max_norm and norm_value > max_norm else 1.0
     torch._foreach_mul_(grads, clip / w)
     optimizer = make_optimizer(train_cfg.optimizer, state.trainable)
-    trainable, opt = optimizer.update(state.trainable, tree_unflatten(grads, spec), state.opt, lr)
+    grads = tree_unflatten(grads, spec)
+    trainable, opt = optimizer.update(local(state.trainable), grads, local(state.opt), lr)
+    if sharded:  # the shards were updated in place; keep their DTensors
+        trainable = state.trainable
+        opt = {k: state.opt[k] if isinstance(state.opt[k], dict) else v for k, v in opt.items()}
     if state.lora is None:
         new = stepped._replace(params=trainable, opt=opt, bad_streak=0)
     else:
         new = stepped._replace(lora={**state.lora, "weights": trainable}, opt=opt, bad_streak=0)
     return new, {**metrics, "skipped": new.skipped}
+
+
+def _reduce(grads: list, stats: torch.Tensor, sharded: bool, bucket_mb: float):
+    """Sum gradients and stats over ranks -> (global gradient norm, summed stats). The grads
+    are sums of weight * gradient; the norm of their mean is that norm / the total weight."""
+    if not sharded:
+        all_reduce_sum_([*grads, stats], bucket_mb)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))), stats
+    # Sharded: the reduce-scatter already summed each shard; add up the shards' squared norms.
+    squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else stats[:1] * 0
+    totals = torch.cat([squares.reshape(1), stats])
+    all_reduce_sum_([totals])
+    return totals[0].sqrt(), totals[1:]
 
 
 def _skip(state: TrainState, max_bad_steps: int) -> TrainState:

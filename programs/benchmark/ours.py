@@ -113,8 +113,11 @@ def forward_logits(params, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
     return astrai.forward(params, cfg, tokens)
 
 
-def train_step_fn(params, cfg: ModelConfig, work: Workload, compile: bool, hyper: dict):
-    """batch -> loss through init_train_state / train_step (the state is carried inside)."""
+def train_step_fn(
+    params, cfg: ModelConfig, work: Workload, compile: bool, hyper: dict, precision="float32"
+):
+    """batch -> loss through init_train_state / train_step (the state is carried inside).
+    precision "bfloat16": bf16 compute under autocast, float32 weights and moments."""
     from astrai.config import OptimizerConfig, ScheduleConfig, TrainConfig
     from astrai.train import init_train_state, train_step
 
@@ -123,6 +126,7 @@ def train_step_fn(params, cfg: ModelConfig, work: Workload, compile: bool, hyper
         model=cfg,
         batch_size=batch,
         compile=compile,
+        precision=precision,
         progress=False,
         optimizer=OptimizerConfig(
             lr=hyper["lr"],

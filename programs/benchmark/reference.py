@@ -44,10 +44,13 @@ def forward(model, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
     return model(input_ids=tokens, use_cache=False).logits
 
 
-def train_step_fn(model, lr: float, weight_decay: float, betas, max_grad_norm: float) -> Callable:
+def train_step_fn(
+    model, lr: float, weight_decay: float, betas, max_grad_norm: float, bf16: bool = False
+) -> Callable:
     """batch -> loss: forward with labels, backward, clip, torch.optim.AdamW with torch's
     default implementation, weight decay on the same tensors as ours (matrices, not norms or
-    the embedding)."""
+    the embedding). bf16: the forward (and so the backward) under bf16 autocast, as the
+    transformers Trainer does with bf16=True; weights and optimizer stay float32."""
     model.train()
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.dim() >= 2 and "embed_tokens" not in n]
@@ -60,7 +63,8 @@ def train_step_fn(model, lr: float, weight_decay: float, betas, max_grad_norm: f
 
     def step(batch: dict) -> float:
         ids = batch["input_ids"]
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()

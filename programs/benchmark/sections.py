@@ -260,8 +260,9 @@ def prefill(b: Bench) -> None:
 
 
 def train(b: Bench) -> None:
-    """batch x length tokens per optimizer step (AdamW, clip 1.0, float32) from the same
-    weights; each side trains its own copy."""
+    """batch x length tokens per optimizer step (AdamW, clip 1.0) from the same weights, in
+    float32 and in bf16 mixed precision (bf16 compute under autocast, float32 weights and
+    optimizer state) on both sides; each side trains its own copy."""
     import astrai
 
     batch, length = b.work.train
@@ -275,15 +276,23 @@ def train(b: Bench) -> None:
     def fresh():
         return astrai.load_pretrained(b.folder, dtype=torch.float32, device=b.device)[0]
 
-    steppers = {"eager": ours.train_step_fn(fresh(), b.cfg, b.work, False, TRAIN_HYPER)}
-    if b.work.compile_train:
-        _quiet_compiler()
-        steppers["compiled"] = ours.train_step_fn(fresh(), b.cfg, b.work, True, TRAIN_HYPER)
-    else:
+    steppers = {}
+    for suffix, precision in (("", "float32"), ("_bf16", "bfloat16")):
+        steppers["eager" + suffix] = ours.train_step_fn(
+            fresh(), b.cfg, b.work, False, TRAIN_HYPER, precision
+        )
+        if b.work.compile_train:
+            _quiet_compiler()
+            steppers["compiled" + suffix] = ours.train_step_fn(
+                fresh(), b.cfg, b.work, True, TRAIN_HYPER, precision
+            )
+        if b.reference is not None:
+            model = reference.load_reference(b.folder, torch.float32, b.device)
+            steppers["transformers" + suffix] = reference.train_step_fn(
+                model, **TRAIN_HYPER, bf16=precision == "bfloat16"
+            )
+    if not b.work.compile_train:
         b.note("train: compiled train_step skipped (compiling takes minutes; runs without --quick)")
-    if b.reference is not None:
-        model = reference.load_reference(b.folder, torch.float32, b.device)
-        steppers["transformers"] = reference.train_step_fn(model, **TRAIN_HYPER)
     for name, step in steppers.items():  # the warm-up, and for torch.compile the compiling
         seconds = timed(lambda step=step: step(batches[0]), b.device)[0]
         b.extra[f"train_first_step_s_{name}"] = seconds
@@ -299,9 +308,40 @@ def train(b: Bench) -> None:
     pairs = [
         ("eager", "transformers", f"train_step eager, {batch} x {length}"),
         ("compiled", "transformers", f"train_step compiled, {batch} x {length}"),
+        ("eager_bf16", "transformers_bf16", f"train_step eager bf16, {batch} x {length}"),
+        ("compiled_bf16", "transformers_bf16", f"train_step compiled bf16, {batch} x {length}"),
     ]
     pairs = [p for p in pairs if p[0] in rates]
-    _reference_rows(b, "train", rates, pairs, "tok/s", {"eager": 1.0, "compiled": 1.3})
+    targets = {"eager": 1.0, "compiled": 1.3, "eager_bf16": 1.2, "compiled_bf16": 1.5}
+    _reference_rows(b, "train", rates, pairs, "tok/s", targets)
+    _train_precision_rows(b, rates)
+
+
+def _train_precision_rows(b: Bench, rates: dict[str, list[float]]) -> None:
+    """bf16 against float32 on our side, and each side's model flops utilisation against the
+    bf16 matmul peak measured here and now: 6 flops per weight per token (forward 2, backward
+    4; attention scores left out, as in the decode roofline)."""
+    peak = matmul_gflops(b.device, torch.bfloat16)
+    b.extra["bf16_matmul_gflops"] = peak
+    b.rows.append(figure("limit", "matmul peak, bfloat16", "GFLOP/s", peak))
+    for mode in ("eager", "compiled"):
+        if f"{mode}_bf16" in rates:
+            b.rows.append(
+                compare(
+                    "train",
+                    f"train_step {mode}, bf16 over float32",
+                    "tok/s",
+                    rates[f"{mode}_bf16"],
+                    rates[mode],
+                    f"ours {mode} float32",
+                )
+            )
+    flops_per_token = 3 * decode_flops_per_token(b.cfg)
+    for name, values in rates.items():
+        if name.endswith("_bf16"):
+            mfu = 100 * median(values) * flops_per_token / (peak * 1e9)
+            label = f"{name.removesuffix('_bf16')} bf16, MFU of the bf16 matmul peak"
+            b.rows.append(figure("train", label, "%", mfu, None))
 
 
 def _quiet_compiler() -> None:

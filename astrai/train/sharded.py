@@ -1,0 +1,95 @@
+"""Sharded training (ZeRO-3 / FSDP semantics) on DTensor: each rank keeps 1/N of every weight,
+gradient and optimizer moment, and a weight is gathered whole only while the model reads it.
+
+The params stay a flat dict, now of DTensors sharded along dim 0 over a one-dimensional device
+mesh (`shard_params`). `gathered(params)` is a read-only mapping the pure `forward` takes in
+place of the dict: reading a key all-gathers that tensor (`redistribute` to `Replicate`), and
+its gradient flows back as a `Partial` sum that DTensor's autograd reduce-scatters onto the
+shard. This is torchtitan's SimpleFSDP: the collectives are DTensor's, the model code is ours.
+
+Layers run under activation checkpointing in this mode, so a layer's gathered weights are
+dropped when its forward ends and gathered again when its backward recomputes it: at any
+moment one layer is whole (plus the embedding and head, read outside the layers).
+
+The optimizer updates the local shards (`local`), and a sharded state is checkpointed by every
+rank at once through torch.distributed.checkpoint (astrai/train/sharded_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import cache
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+
+@cache
+def _mesh(device_type: str, world_size: int) -> DeviceMesh:
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+def mesh_for(device: torch.device) -> DeviceMesh:
+    """The mesh over every rank of the process group, on `device`'s type."""
+    return _mesh(device.type, torch.distributed.get_world_size())
+
+
+def shard_params(params: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, DTensor]:
+    """Whole tensors -> DTensors sharded along dim 0, each rank's piece scattered from rank 0's
+    tensor (so all ranks start from the same weights)."""
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in params.items()}
+
+
+def is_sharded(tree) -> bool:
+    """Whether a params dict holds DTensors (a sharded state) rather than whole tensors."""
+    return isinstance(tree, dict) and isinstance(next(iter(tree.values()), None), DTensor)
+
+
+def local(tree):
+    """The same nested dict with every DTensor replaced by this rank's shard, which shares its
+    storage: updating the shard in place updates the DTensor."""
+    if isinstance(tree, dict):
+        return {k: local(v) for k, v in tree.items()}
+    return tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def gather(shard: DTensor) -> torch.Tensor:
+    """The whole tensor on every rank; its gradient is summed over ranks and scattered back to
+    the shards (the gradient on each rank is only that rank's part of the batch: `Partial`)."""
+    whole = shard.redistribute(shard.device_mesh, [Replicate()])
+    return whole.to_local(grad_placements=[Partial()])
+
+
+class gathered(Mapping):
+    """A read-only view of sharded params as whole tensors, gathered on each read."""
+
+    def __init__(self, shards: Mapping[str, DTensor]):
+        self._shards = shards
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return gather(self._shards[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def __contains__(self, key) -> bool:
+        return key in self._shards
+
+
+def full_params(params: dict[str, DTensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors on every rank (a collective: all ranks must call it), for export."""
+    return {k: v.full_tensor() for k, v in params.items()}
+
+
+def local_bytes(tree) -> int:
+    """Bytes of this rank's tensors in a (possibly sharded) nested dict."""
+    if isinstance(tree, dict):
+        return sum(local_bytes(v) for v in tree.values())
+    if isinstance(tree, torch.Tensor):
+        t = local(tree)
+        return t.numel() * t.element_size()
+    return 0

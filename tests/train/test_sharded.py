@@ -1,0 +1,237 @@
+"""Sharded training (parallel.mode = "sharded") under torchrun with gloo on CPU processes: the
+same weights as one process, 1/N of the state per rank, sharded checkpoints that resume at
+another world size and survive a killed rank.
+
+Tolerances come from float32's machine epsilon (a local helper: the run's sums are taken in
+another order over ranks, so results agree to rounding, not bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from tiny_run import ROOT, TINY, run_program, tiny_config, write_toml
+
+from astrai.model import init_params, load_pretrained
+from astrai.train.checkpoint import latest_checkpoint
+
+TRAIN = str(ROOT / "programs" / "train.py")
+PROBE = str(ROOT / "tests" / "train" / "sharded_probe.py")
+
+
+def tolerance(dtype: torch.dtype, factor: float) -> float:
+    """factor times the dtype's machine epsilon."""
+    return factor * torch.finfo(dtype).eps
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300):
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return run_program(*launch, *args, timeout=timeout)
+
+
+def sharded_config(**overrides) -> dict:
+    defaults = {
+        "max_steps": 3,
+        "batch_size": 8,
+        "grad_accum": 2,
+        "log_every": 1,
+        "schedule": {"name": "cosine", "warmup_steps": 1},
+        "parallel": {"mode": "sharded"},
+    }
+    return tiny_config(**{**defaults, **overrides})
+
+
+def train(tmp_path, name: str, nproc: int, cfg: dict):
+    toml = write_toml(tmp_path / f"{name}.toml", {**cfg, "out_dir": name})
+    if nproc == 1:
+        done = run_program(TRAIN, str(toml), "--fresh")
+    else:
+        done = torchrun(nproc, TRAIN, str(toml), "--fresh")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return load_pretrained(tmp_path / name / "model")[0]
+
+
+# SGD's update is linear in the gradient, so rounding differences stay rounding-sized: each
+# step moves a weight by lr * g with g summed in another order (relative error ~ a few eps
+# times the number of terms). AdamW divides by sqrt(v): where a gradient is all cancellation
+# its rounding becomes a full step, so its bound is a small multiple of lr per step.
+OPTIMIZERS = {
+    "sgd": ({"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}, None),
+    "adamw": ({"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.05}, 1e-3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sharded_ranks_match_one_process(tmp_path, optimizer):
+    opt, lr = OPTIMIZERS[optimizer]
+    cfg = sharded_config(optimizer=opt)
+    one = train(tmp_path, "one", 1, cfg)
+    start = init_params(TINY, seed=cfg.get("seed", 0))
+    assert any(not torch.allclose(start[k], one[k]) for k in one)  # training moved the weights
+    for nproc in (2, 4) if optimizer == "sgd" else (2,):
+        many = train(tmp_path, f"sharded{nproc}", nproc, cfg)
+        for k in one:
+            rtol = tolerance(torch.float32, 1000)
+            # A near-cancelling AdamW gradient may flip the sign of its step: 2 lr per step.
+            atol = tolerance(torch.float32, 1000) if lr is None else 2 * lr * cfg["max_steps"]
+            torch.testing.assert_close(many[k], one[k], rtol=rtol, atol=atol, msg=k)
+        if lr is not None:  # and almost every weight agrees to rounding
+            flat = torch.cat([(many[k] - one[k]).abs().flatten() for k in one])
+            assert (flat > tolerance(torch.float32, 1000)).float().mean() < 0.01
+    # The logged losses and gradient norms agree as well.
+    log = [
+        json.loads(x) for x in (tmp_path / "sharded2" / "metrics.jsonl").read_text().splitlines()
+    ]
+    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(log, ref, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.float32, 100))
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
+
+
+@pytest.mark.slow
+def test_sharded_bf16_matches_one_process_in_bf16(tmp_path):
+    # bf16 compute, float32 weights: a rank computes its rows in other blocks than one process
+    # does, so the gradients, and the steps taken, agree to a few bf16 roundings.
+    sgd = {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}
+    cfg = sharded_config(optimizer=sgd, precision="bfloat16")
+    one = train(tmp_path, "one", 1, cfg)
+    two = train(tmp_path, "two", 2, cfg)
+    start = init_params(TINY, seed=0)
+    moved = torch.cat([(one[k] - start[k]).flatten() for k in one])
+    apart = torch.cat([(two[k] - one[k]).flatten() for k in one])
+    print("relative difference of the steps:", (apart.norm() / moved.norm()).item())
+    assert apart.norm() <= tolerance(torch.bfloat16, 4) * moved.norm()
+    log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").open()]
+    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").open()]
+    for a, b in zip(log, ref, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.bfloat16, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc):
+    out = tmp_path / "probe.json"
+    done = torchrun(nproc, PROBE, str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(reports) == nproc
+    for r in reports:
+        whole, held = r["whole_bytes"], r["held_bytes"]
+        # params + gradients + both AdamW moments: 1/N of the whole, up to one row per tensor
+        # that does not split evenly over the ranks.
+        assert whole / nproc - r["slack_bytes"] <= held <= whole / nproc + r["slack_bytes"]
+        # Gathered weights alive at once: at most one layer plus the embedding/head and norm,
+        # which are read outside the layers (not the whole model); at least the largest weight.
+        assert r["largest_tensor_bytes"] <= r["peak_gathered_bytes"]
+        assert r["peak_gathered_bytes"] <= r["layer_bytes"] + r["outside_layers_bytes"]
+
+
+def resume(tmp_path, name: str, nproc: int, cfg: dict, checkpoint):
+    toml = write_toml(tmp_path / f"{name}.toml", {**cfg, "out_dir": name})
+    args = (TRAIN, str(toml), "--resume", str(checkpoint))
+    done = run_program(*args) if nproc == 1 else torchrun(nproc, *args)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return load_pretrained(tmp_path / name / "model")[0]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    for k in a:  # SGD: rounding-sized differences, as above
+        torch.testing.assert_close(a[k], b[k], rtol=tolerance(torch.float32, 1000), atol=1e-6)
+
+
+SGD = {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
+    cfg = sharded_config(optimizer=SGD, max_steps=6, checkpoint_every=2)
+    whole_run = train(tmp_path, "two", 2, cfg)
+    ckpt = tmp_path / "two" / "checkpoints" / "step_00000004"
+    files = {p.name for p in ckpt.iterdir()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= files
+    assert "model.safetensors" not in files  # no rank held the whole model
+    assert_same_weights(resume(tmp_path, "on1", 1, cfg, ckpt), whole_run)
+    assert_same_weights(resume(tmp_path, "on4", 4, cfg, ckpt), whole_run)
+    # The resumed runs continued from step 4, not from scratch.
+    steps = [json.loads(x)["step"] for x in (tmp_path / "on4" / "metrics.jsonl").open()]
+    assert steps == [5, 6]
+    # The sharded checkpoint exports to a model folder: the numbers the run's export gathered.
+    out = tmp_path / "exported"
+    last = tmp_path / "two" / "checkpoints" / "step_00000006"
+    done = run_program(str(ROOT / "programs" / "export_checkpoint.py"), str(last), str(out))
+    assert done.returncode == 0, done.stderr
+    exported, model_cfg = load_pretrained(out)
+    assert model_cfg == TINY and exported.keys() == whole_run.keys()
+    for k in whole_run:
+        assert torch.equal(exported[k], whole_run[k]), k
+
+
+@pytest.mark.slow
+def test_run_with_a_killed_rank_resumes_from_the_last_sharded_checkpoint(tmp_path):
+    cfg = sharded_config(optimizer=SGD, max_steps=8, checkpoint_every=2)
+    uninterrupted = train(tmp_path, "whole", 2, cfg)
+    toml = write_toml(tmp_path / "killed.toml", {**cfg, "out_dir": "killed"})
+    pid_file = tmp_path / "rank1.pid"
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    script = str(ROOT / "tests" / "train" / "stalling_run.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # Rank 1 stands still after 5 steps: the checkpoint of step 4 is complete, step 5 is not.
+    run = subprocess.Popen(
+        [sys.executable, *launch, script, str(toml), "5", str(pid_file)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not pid_file.exists() or not pid_file.read_text():
+            assert run.poll() is None, run.stdout.read().decode()[-4000:]
+            assert time.monotonic() < deadline, "rank 1 never reached step 5"
+            time.sleep(0.2)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        assert run.wait(timeout=120) != 0  # torchrun ends the whole run when a rank dies
+    finally:
+        if run.poll() is None:
+            run.kill()
+    folder = tmp_path / "killed" / "checkpoints"
+    assert latest_checkpoint(tmp_path / "killed") == folder / "step_00000004"
+    assert not (tmp_path / "killed" / "model").exists()
+    # A save killed before its rename looks like this: the shards written, no train_state.json.
+    partial = folder / ".tmp-step_00000006"
+    shutil.copytree(folder / "step_00000004", partial)
+    (partial / "train_state.json").unlink()
+    assert latest_checkpoint(tmp_path / "killed") == folder / "step_00000004"
+    done = torchrun(2, TRAIN, str(toml))  # resumes from the latest checkpoint
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert not partial.exists()  # removed on start
+    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").open()]
+    assert steps == list(range(1, 9))  # 1-4 before the kill, 5-8 after the resume
+    assert_same_weights(load_pretrained(tmp_path / "killed" / "model")[0], uninterrupted)
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        ({"lora": {"rank": 4}}, "lora.rank"),
+        ({"compile": True}, "compile"),
+        ({"grad_engine": "func"}, "grad_engine"),
+    ],
+)
+def test_sharded_mode_names_what_it_does_not_support(setting, words):
+    from astrai.config import ConfigError, train_config
+
+    expected = re.escape(f"parallel.mode 'sharded' does not support {words}")
+    with pytest.raises(ConfigError, match=expected):
+        train_config(sharded_config(**setting), "run.toml")
+    with pytest.raises(ConfigError, match=re.escape("`parallel.mode`")):
+        train_config(tiny_config(parallel={"mode": "zero3"}), "run.toml")
