@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from benchmark.timing import percentile as timed_percentile
+
 from .client import Outcome
 from .workloads import Job
 
@@ -22,14 +24,8 @@ class Objective:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation (numpy's default); NaN for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    """The benchmark's percentile (linear interpolation); NaN for no values."""
+    return timed_percentile(values, q) if values else float("nan")
 
 
 def accounting(jobs: list[Job], outcomes: list[Outcome]) -> dict:
