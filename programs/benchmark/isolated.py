@@ -8,17 +8,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+from load import server as load_server
 
 PROGRAMS = Path(__file__).resolve().parents[1]
-MODEL_NAME = "bench"
 
 
 def _env(threads: int | None) -> dict[str, str]:
@@ -56,40 +54,14 @@ def loop_process(folder: Path, dtype: str, quantize: str | None, threads: int | 
         process.wait(timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_process(
     folder: Path, dtype: str, quantize: str | None, threads: int | None
 ) -> Iterator[str]:
     """`just serve --model FOLDER --dtype DTYPE [--quantize Q]` on a free port; yields its URL."""
-    port = _free_port()
-    command = [sys.executable, str(PROGRAMS / "serve.py"), "--model", str(folder),
-               "--model-name", MODEL_NAME, "--port", str(port), "--log-level", "warning",
-               "--dtype", dtype, "--max-waiting", "0"]  # fmt: skip
-    command += ["--quantize", quantize] if quantize else []
-    process = subprocess.Popen(command, env=_env(threads), stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"just serve exited with status {process.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("just serve did not become healthy in 300 s")
+    flags = ["--dtype", dtype, "--max-waiting", "0"] + (
+        ["--quantize", quantize] if quantize else []
+    )
+    log = Path(tempfile.mkdtemp(prefix="astrai-isolated-")) / "serve.log"
+    with load_server.serve_process(folder, flags, log, timeout=300, env=_env(threads)) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

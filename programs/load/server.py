@@ -42,14 +42,18 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -
 
 
 @contextlib.contextmanager
-def serve_process(model: Path, flags: list[str], log: Path, timeout: float = 120) -> Iterator[str]:
+def serve_process(
+    model: Path, flags: list[str], log: Path, timeout: float = 120, env: dict | None = None
+) -> Iterator[str]:
     """Run `programs/serve.py --model MODEL FLAGS` until the block ends; yields its base URL.
-    Its output goes to `log`."""
+    Its output goes to `log`; `env` replaces this process's environment."""
     port = free_port()
     command = [sys.executable, str(SERVE), "--model", str(model), "--port", str(port)]
     command += ["--model-name", MODEL_NAME, "--log-level", "warning", *flags]
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env or os.environ
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, log, timeout)
