@@ -25,6 +25,7 @@ from astrai.infer import (
     init_pages,
     prefill,
     prepare_params,
+    run_requests,
     sample,
     share_pages,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "merge_lora",
     "prefill",
     "prepare_params",
+    "run_requests",
     "sample",
     "save_pretrained",
     "share_pages",

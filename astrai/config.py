@@ -429,8 +429,8 @@ class TrainDataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """[grpo]: online GRPO on a prompt dataset: rounds of rollouts through the Engine with the
-    current params, scored by reward functions (the loss options stay in [loss])."""
+    """[grpo]: online GRPO on a prompt dataset: rounds of rollouts through the inference core
+    with the current params, scored by reward functions (the loss options stay in [loss])."""
 
     group_size: int = 8
     """Completions sampled per prompt; advantages compare the completions of one prompt, so at
@@ -444,7 +444,7 @@ class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Most tokens per completion."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (> 0). The loss's log-probs are those of the untempered
-    model, as are the Engine's."""
+    model, as are the sampler's."""
     top_p: float = 1.0
     """Nucleus sampling of the rollouts; 1 = off."""
     top_k: int = 0
@@ -701,7 +701,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "lora.rank > 0 (adapters are small: train them with mode 'data')": self.lora.rank,
             "compile = true": self.compile,
             "grad_engine 'func'": self.grad_engine == "func",
-            "grpo rollouts (the Engine needs whole weights)": self.rollouts,
+            "grpo rollouts (sampling needs whole weights)": self.rollouts,
         }
         for what, present in unsupported.items():
             if present:

@@ -47,6 +47,7 @@ from astrai.infer.step import (
     engine_step,
     forget_cached_kv,
     init_engine,
+    run_requests,
 )
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "pages_for",
     "prefill",
     "prepare_params",
+    "run_requests",
     "sample",
     "sample_requests",
     "share_pages",

@@ -26,7 +26,7 @@ import torch
 
 from astrai.config import EngineConfig, ModelConfig, engine_config, from_dict, to_dict
 from astrai.infer.constraints import accept_token, allowed_tokens, is_finished, start_constraint
-from astrai.infer.events import PromptTooLong, StreamEvent, Usage
+from astrai.infer.events import Completion, PromptTooLong, StreamEvent, Usage, collect
 from astrai.infer.hardware import auto_dtype, describe_dtype_choice
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
@@ -421,6 +421,27 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
             state, event = _retire(state, seq, "error", error=describe(exc))
         events.append(event)
     return state, events
+
+
+def run_requests(
+    state: EngineState, params: Params, requests: list[Request]
+) -> tuple[EngineState, list[Completion]]:
+    """Every request to its end -> (state, their Completions in the order given). All join
+    before the first step, so the batch each step runs, and with it every number, is the
+    same for the same state, weights and requests: a thread-free `Engine.generate` for
+    offline work (RL rollouts, evaluation). Requests already in the state go on as well; the
+    call returns once the given ones are done."""
+    for request in requests:
+        state = add_request(state, request)
+    events: dict[str, list[StreamEvent]] = {r.id: [] for r in requests}
+    left = len(events)
+    while left:
+        state, out = engine_step(state, params)
+        for event in out:
+            if event.request_id in events:
+                events[event.request_id].append(event)
+                left -= event.finish_reason is not None
+    return state, [collect(events[r.id]) for r in requests]
 
 
 # ---------------------------------------------------------------- what it holds

@@ -1,14 +1,15 @@
-"""GRPO with online rollouts: the policy's current params go straight to the Engine, which
-samples a group of completions per prompt; reward functions score them; the GRPO loss trains
-on them through `run_step`. One round, as functions:
+"""GRPO with online rollouts: the policy's current params go straight to the inference core
+(`run_requests`, on the training thread), which samples a group of completions per prompt;
+reward functions score them; the GRPO loss trains on them through `run_step`. One round, as
+functions:
 
     cursor, prompts = source.next(cursor)          # the grpo dataset, by data cursor
-    samples = sample_group(engine, prompt_ids, grpo_cfg, seeds)
+    samples = sample_group(params, model_cfg, tokenizer, prompt_ids, grpo_cfg, seeds)
     rewards = score(reward_fns, prompt texts, completion texts, record fields)
     batch = build_batch(samples, total_reward(rewards, weights), scale)
     for part in step_batches(batch, ...): state, _ = run_step(state, part, run)
 
-Old-policy log-probs are the Engine's sampling log-probs: log_softmax of the raw logits, the
+Old-policy log-probs are the sampling log-probs: log_softmax of the raw logits, the
 same quantity `grpo_loss` computes. Temperature, top-p and top-k only choose which completions
 are explored; the policy that the ratio and the KL speak of is the untempered model, so the
 ratio is 1 at a round's first step whatever the sampling settings.
@@ -24,9 +25,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from astrai.config import GrpoConfig, TrainConfig
+from astrai.config import GrpoConfig, ModelConfig, TrainConfig
 from astrai.data import IGNORE, next_batch, open_dataset
-from astrai.infer import Engine
+from astrai.infer import Request, init_engine, prepare_params, run_requests
+from astrai.infer.sampling import sampling_params
+from astrai.infer.step import params_for
 from astrai.model import merge_lora
 from astrai.tokenizer import Tokenizer
 from astrai.train.batches import BatchSource, rows_per_rank, start_cursor
@@ -55,15 +58,15 @@ class Samples(NamedTuple):
 
 
 class Rollout(NamedTuple):
-    """What rounds share: the Engine, the tokenizer and the reward functions."""
+    """What rounds share: the tokenizer, the reward functions and where to sample."""
 
-    engine: Engine
     tokenizer: Tokenizer
     rewards: dict[str, Reward]  # dotted path -> function
     weights: tuple[float, ...]
+    device: str
 
 
-# --- the data and the engine ---------------------------------------------------------------
+# --- the data and the rewards -------------------------------------------------------------
 
 
 def prompt_batches(train_cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchSource:
@@ -94,22 +97,12 @@ def policy_params(state: TrainState) -> dict:
     return state.params if state.lora is None else merge_lora(state.params, state.lora)
 
 
-def open_rollout(state: TrainState, train_cfg: TrainConfig, world_size: int = 1) -> Rollout:
-    """The Engine (over the state's params; no copy through files) and the reward functions.
-    Close it with `rollout.engine.close()`."""
+def open_rollout(state: TrainState, train_cfg: TrainConfig) -> Rollout:
+    """The tokenizer and the reward functions of the run's rounds."""
     grpo = train_cfg.grpo
     rewards = {path: load_reward(path) for path in grpo.rewards}
     weights = grpo.reward_weights or (1.0,) * len(grpo.rewards)
-    tokenizer = rollout_tokenizer(train_cfg)
-    # every completion of a round in one continuous batch
-    engine = Engine(
-        policy_params(state),
-        state.model_config,
-        tokenizer,
-        max_batch=grpo.rows // world_size,
-        device=state.device,
-    )
-    return Rollout(engine, tokenizer, rewards, tuple(weights))
+    return Rollout(rollout_tokenizer(train_cfg), rewards, tuple(weights), str(state.device))
 
 
 # --- one round as functions ---------------------------------------------------------------
@@ -122,10 +115,18 @@ def request_seed(seed: int, step: int, index: int) -> int:
 
 
 def sample_group(
-    engine: Engine, prompt_ids: list[list[int]], grpo: GrpoConfig, seeds: list[int]
+    params: dict,
+    cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    prompt_ids: list[list[int]],
+    grpo: GrpoConfig,
+    seeds: list[int],
+    device: str = "cpu",
 ) -> Samples:
-    """`group_size` completions of every prompt, one seeded request each. The requests of a
-    group share their prompt's pages through the prefix cache."""
+    """`group_size` completions of every prompt, one seeded request each, in one continuous
+    batch on a fresh engine: a pure function of the weights, prompts and seeds (no thread, no
+    prefix cache carried over from older weights), so a resumed run samples exactly what the
+    straight run did. The requests of a group share their prompt's pages."""
     G = grpo.group_size
     rows = [p for p in prompt_ids for _ in range(G)]
     sampling = dict(
@@ -135,11 +136,19 @@ def sample_group(
         top_k=grpo.top_k,
         logprobs=True,
     )
-    ids = [engine.submit(p, seed=s, **sampling) for p, s in zip(rows, seeds)]
-    done = [engine.result(i) for i in ids]
+    # a pool sized to the round, not to the model's longest context
+    longest = min(max(map(len, rows)) + grpo.max_new_tokens, cfg.max_position_embeddings)
+    engine = init_engine(
+        params, cfg, tokenizer, max_batch=len(rows), max_seq_len=longest, device=device
+    )
+    requests = [
+        Request(str(i), p, sampling_params(seed=s, **sampling))
+        for i, (p, s) in enumerate(zip(rows, seeds))
+    ]
+    _, done = run_requests(engine, prepare_params(params_for(engine, params)), requests)
     for c in done:
         if c.finish_reason == "error":
-            raise RuntimeError(f"a rollout failed in the Engine: {c.error}")
+            raise RuntimeError(f"a rollout failed in the inference core: {c.error}")
     return Samples(
         prompt_ids=rows,
         completion_ids=[c.token_ids for c in done],
@@ -225,11 +234,18 @@ def step_batches(batch: dict, rows_per_step: int, epochs: int, seed: int, step: 
 def sample_and_score(state: TrainState, prompts: dict, run: Run, rollout: Rollout):
     """Sample the round with the state's params and score it -> (samples, rewards by name)."""
     cfg, dist = run.train_cfg, run.dist
-    rollout.engine.update_params(policy_params(state))
     first = dist.rank * len(prompts["prompt_ids"]) * cfg.grpo.group_size
     count = len(prompts["prompt_ids"]) * cfg.grpo.group_size
     seeds = [request_seed(cfg.seed, state.step, first + i) for i in range(count)]
-    samples = sample_group(rollout.engine, prompts["prompt_ids"], cfg.grpo, seeds)
+    samples = sample_group(
+        policy_params(state),
+        state.model_config,
+        rollout.tokenizer,
+        prompts["prompt_ids"],
+        cfg.grpo,
+        seeds,
+        rollout.device,
+    )
     prompt_texts = [
         rollout.tokenizer.decode(p, skip_special_tokens=False)
         for p in prompts["prompt_ids"]

@@ -9,7 +9,6 @@ the Engine, rewards, then several `run_step`s (astrai/train/grpo.py).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,18 +42,15 @@ def train(
     rounds = batches is None and train_cfg.rollouts  # grpo on prompts: the loop samples
     state, source, run = start_run(train_cfg, resume, _source(train_cfg, batches, rounds), log)
     last_saved = state.step if run.resumed else None
-    with contextlib.ExitStack() as cleanup:
-        if rounds:
-            rollout = grpo.open_rollout(state, train_cfg, run.dist.world_size)
-            cleanup.callback(rollout.engine.close)
-            advance = grpo.round_advance(run, rollout)
-        else:
-            advance = step_advance(run)
-        while state.step < train_cfg.max_steps:
-            cursor, batch = source.next(state.cursor)
-            state = advance(state, cursor, batch)
-            if train_cfg.checkpoint_every and state.step % train_cfg.checkpoint_every == 0:
-                last_saved = state.step
+    if rounds:
+        advance = grpo.round_advance(run, grpo.open_rollout(state, train_cfg))
+    else:
+        advance = step_advance(run)
+    while state.step < train_cfg.max_steps:
+        cursor, batch = source.next(state.cursor)
+        state = advance(state, cursor, batch)
+        if train_cfg.checkpoint_every and state.step % train_cfg.checkpoint_every == 0:
+            last_saved = state.step
     if last_saved != state.step:
         save_checkpoint(state, run)
     final = state

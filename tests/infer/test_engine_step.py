@@ -104,3 +104,30 @@ def test_requests_are_checked_when_added():
     with pytest.raises(PromptTooLong, match=r"max_seq_len \(32\)"):
         ai.add_request(state, too_long)
     assert not state.sched.waiting
+
+
+def test_run_requests_completes_a_batch_as_recomputation_does():
+    """run_requests: every request to its end, completions in the order given, the same
+    completions on every call, pages all back; a request already running goes on."""
+    params, cfg = make_model("gqa")
+    requests = mixed_requests(cfg, 10, seed=2)
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=4)
+    running = ai.Request("before", requests[0][0], ai.SamplingParams(max_tokens=30))
+    state = ai.add_request(state, running)
+    batch = [
+        ai.Request(f"r{i}", p, ai.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for i, (p, n) in enumerate(requests)
+    ]
+    state, done = ai.run_requests(state, params, batch)
+    for (prompt, n), completion in zip(requests, done):
+        assert completion.token_ids == greedy_reference(params, cfg, prompt, n)
+        assert completion.finish_reason == "length"
+    assert any(seq.id == "before" for seq in state.sched.running)  # still going
+    sampled = [
+        ai.Request(str(i), p, ai.SamplingParams(max_tokens=n, temperature=0.9, seed=i))
+        for i, (p, n) in enumerate(requests)
+    ]
+    fresh = [ai.init_engine(params, cfg, None, page_size=4, max_batch=10) for _ in range(2)]
+    first, second = (ai.run_requests(s, params, sampled)[1] for s in fresh)
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert engine_stats(fresh[0])["pages_used"] == 0

@@ -16,7 +16,6 @@ from tokenizers import models, pre_tokenizers
 
 from astrai.config import ConfigError, LossConfig, ModelConfig, train_config
 from astrai.data import data_config, prepare
-from astrai.infer import Engine
 from astrai.model import forward, init_params
 from astrai.tokenizer import Tokenizer
 from astrai.train import (
@@ -119,16 +118,15 @@ def test_builtin_rewards_read_the_final_answer():
         load_reward("nowhere.reward")
 
 
-def test_engine_logprobs_are_the_models_raw_logprobs():
-    """Sampled at temperature 0.7, the log-probs the Engine reports (the old policy) equal
+def test_rollout_logprobs_are_the_models_raw_logprobs():
+    """Sampled at temperature 0.7, the log-probs the rollout reports (the old policy) equal
     log_softmax of the raw logits that `forward` recomputes: the loss's own quantity."""
     params = init_params(CFG, seed=3)
     grpo = train_config(grpo_config_dict(), "test").grpo
     prompts = [[1, 11, 2], [5, 5, 12, 9, 4]]
     seeds = [request_seed(0, 0, i) for i in range(2 * grpo.group_size)]
-    with Engine(params, CFG, word_tokenizer(), page_size=4) as engine:
-        samples = sample_group(engine, prompts, grpo, seeds)
-        again = sample_group(engine, prompts, grpo, seeds)
+    samples = sample_group(params, CFG, word_tokenizer(), prompts, grpo, seeds)
+    again = sample_group(params, CFG, word_tokenizer(), prompts, grpo, seeds)
     assert samples.completion_ids == again.completion_ids  # seeded: the same completions
     assert samples.group_ids == [0] * 4 + [1] * 4
     batch = build_batch(samples, torch.zeros(8), scale=True)
