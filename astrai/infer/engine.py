@@ -60,7 +60,9 @@ def name_native_thread(name: str) -> None:
 # The inbox's messages: one typed union, matched by class.
 @dataclass
 class Submit:
-    seq: Sequence
+    """Sequences that join together, before the same step (a generate call's batch)."""
+
+    seqs: list[Sequence]
     sink: Sink
 
 
@@ -178,14 +180,13 @@ class Engine:
     # ------------------------------------------------------------------ public API
 
     def generate(self, prompts: list[str | list[int]], **sampling) -> list[Completion]:
-        """Generate for every prompt, batched; blocks until all are done."""
+        """Generate for every prompt, batched (all join before the same step, so the batches,
+        and the numbers, do not depend on timing); blocks until all are done."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("generate takes a list of prompts; use submit or stream for one")
         events: queue.SimpleQueue = queue.SimpleQueue()
         seqs = [self._sequence(p, sampling) for p in prompts]
-        self._check_waiting()  # once for the batch: it is one caller's work
-        for seq in seqs:
-            self._send(seq, events.put, check_waiting=False)
+        self._send(seqs, events.put)  # one caller's work: checked against max_waiting once
         by_id: dict[str, list[StreamEvent]] = {seq.id: [] for seq in seqs}
         remaining = len(seqs)
         while remaining:
@@ -199,7 +200,7 @@ class Engine:
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = self._sequence(prompt, sampling)
         self._results[seq.id] = events
-        self._send(seq, events.put)
+        self._send([seq], events.put)
         return seq.id
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
@@ -224,7 +225,7 @@ class Engine:
         """Submit now; iterate the request's events. Leaving the loop early cancels it."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = self._sequence(prompt, sampling)
-        self._send(seq, events.put)
+        self._send([seq], events.put)
         return Events(events, lambda: self.cancel(seq.id))
 
     def astream(self, prompt: str | list[int], **sampling) -> Events:
@@ -233,7 +234,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         seq = self._sequence(prompt, sampling)
-        self._send(seq, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        self._send([seq], lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         return Events(events, lambda: self.cancel(seq.id))
 
     def cancel(self, request_id: str) -> None:
@@ -304,12 +305,11 @@ class Engine:
         if limit and waiting >= limit:
             raise Overloaded(f"{waiting} requests are already waiting (max_waiting)")
 
-    def _send(self, seq: Sequence, sink: Sink, check_waiting: bool = True) -> None:
+    def _send(self, seqs: list[Sequence], sink: Sink) -> None:
         with self._lock:
-            if check_waiting:
-                self._check_waiting()
-            self._queued += 1
-        self._inbox.put(Submit(seq, sink))
+            self._check_waiting()
+            self._queued += len(seqs)
+        self._inbox.put(Submit(seqs, sink))
 
     # ------------------------------------------------------------------ engine thread
 
@@ -350,11 +350,12 @@ class Engine:
 
     def _take(self, message: Message) -> None:
         match message:
-            case Submit(seq, sink):
+            case Submit(seqs, sink):
                 with self._lock:
-                    self._queued -= 1
-                self._sinks[seq.id] = sink
-                self._state = enqueue(self._state, seq)
+                    self._queued -= len(seqs)
+                for seq in seqs:
+                    self._sinks[seq.id] = sink
+                    self._state = enqueue(self._state, seq)
             case Cancel(request_id):
                 self._state = cancel_request(self._state, request_id)
             case SwapParams(params, done):
@@ -411,9 +412,10 @@ class Engine:
             except queue.Empty:
                 break
             match message:
-                case Submit(seq, sink):
-                    self._sinks[seq.id] = sink
-                    self._state = enqueue(self._state, seq)
+                case Submit(seqs, sink):
+                    for seq in seqs:
+                        self._sinks[seq.id] = sink
+                        self._state = enqueue(self._state, seq)
                 case SwapParams(_, done) | Call(_, done):
                     message.error = RuntimeError("the engine is closed")
                     done.set()
