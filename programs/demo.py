@@ -22,10 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import demo_data
+import torch
 
 from astrai.config import EvalConfig, eval_config, read_toml, train_config
 from astrai.data import data_config, format_summary, prepare
 from astrai.eval import evaluate_tasks, model_of, write_results
+from astrai.infer import native_bf16
 from astrai.model import load_pretrained
 from astrai.tokenizer import Tokenizer
 from astrai.train import train
@@ -48,10 +50,11 @@ def rebase(value, run_dir: Path):
     return [rebase(v, run_dir) for v in value] if isinstance(value, list) else value
 
 
-def load_stage_config(name: str, run_dir: Path, max_steps: int | None):
-    """A demo TOML with its run folder moved to run_dir: (training config, prepare config)."""
+def load_stage_config(name: str, run_dir: Path, max_steps: int | None, precision: str):
+    """A demo TOML with its run folder moved to run_dir and the given precision: (training
+    config, prepare config)."""
     path = CONFIGS / name
-    data = rebase(read_toml(path), run_dir)
+    data = rebase(read_toml(path), run_dir) | {"precision": precision}
     prepare_table = data.pop("prepare")
     if max_steps is not None:
         data["max_steps"] = max_steps
@@ -66,7 +69,9 @@ def last_metrics(run: Path) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
-def train_model(run_dir: Path, records: int, max_steps: dict[str, int | None]) -> Path:
+def train_model(
+    run_dir: Path, records: int, max_steps: dict[str, int | None], precision: str
+) -> Path:
     started = time.time()
     counts = demo_data.generate(run_dir / "data", seed=0, records=records)
     stage_line("data", started, ", ".join(f"{n} {k}" for k, n in counts.items()))
@@ -81,7 +86,7 @@ def train_model(run_dir: Path, records: int, max_steps: dict[str, int | None]) -
     stage_line("tokenizer", started, f"byte-level BPE, {tokenizer.vocab_size} tokens")
 
     stages = {
-        stage: load_stage_config(f"demo-{stage}.toml", run_dir, max_steps[stage])
+        stage: load_stage_config(f"demo-{stage}.toml", run_dir, max_steps[stage], precision)
         for stage in ("pretrain", "sft")
     }
     for stage, (_, prep) in stages.items():
@@ -94,7 +99,7 @@ def train_model(run_dir: Path, records: int, max_steps: dict[str, int | None]) -
         train(cfg, resume=False)
         m = last_metrics(Path(cfg.out_dir))
         stage_line(stage, started, f"loss {m.get('loss', float('nan')):.4f}, "
-                   f"{m.get('tokens_per_s', 0):,.0f} tok/s")  # fmt: skip
+                   f"{m.get('tokens_per_s', 0):,.0f} tok/s, {cfg.precision}")  # fmt: skip
 
     # Publish the model only once it is complete, so an interrupted run never leaves half a model.
     final, staging = run_dir / "model", run_dir / ".model.partial"
@@ -168,6 +173,14 @@ Serving {model_dir} on {url} (Ctrl-C stops). Chat in your browser at {url}/ or t
     )
 
 
+def training_precision(choice: str) -> str:
+    """--precision as a training config's value: auto becomes what the device does fast."""
+    if choice != "auto":
+        return choice
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -181,13 +194,20 @@ def main() -> int:
         action="store_true",
         help="a seconds-long smoke run with a few steps (the model will not be useful)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=["float32", "bfloat16", "auto"],
+        default="float32",
+        help="training precision; auto = bfloat16 where the hardware multiplies it natively",
+    )
     args = parser.parse_args()
     run_dir = args.run_dir.resolve()
     model_dir = run_dir / "model"
     started = time.time()
     if args.fresh or not (model_dir / "config.json").exists():
         steps = {"pretrain": 4, "sft": 4} if args.quick else {"pretrain": None, "sft": None}
-        train_model(run_dir, records=400 if args.quick else 20000, max_steps=steps)
+        precision = training_precision(args.precision)
+        train_model(run_dir, 400 if args.quick else 20000, steps, precision)
         evaluate(model_dir, run_dir, limit=20 if args.quick else 0)
         print(f"[demo] trained and evaluated in {time.time() - started:.0f}s", flush=True)
     else:
