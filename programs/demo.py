@@ -50,11 +50,11 @@ def rebase(value, run_dir: Path):
     return [rebase(v, run_dir) for v in value] if isinstance(value, list) else value
 
 
-def load_stage_config(name: str, run_dir: Path, max_steps: int | None, precision: str):
-    """A demo TOML with its run folder moved to run_dir and the given precision: (training
-    config, prepare config)."""
+def load_stage_config(name: str, run_dir: Path, max_steps: int | None, training: dict):
+    """A demo TOML with its run folder moved to run_dir and `training`'s keys (precision,
+    seed) set: (training config, prepare config)."""
     path = CONFIGS / name
-    data = rebase(read_toml(path), run_dir) | {"precision": precision}
+    data = rebase(read_toml(path), run_dir) | training
     prepare_table = data.pop("prepare")
     if max_steps is not None:
         data["max_steps"] = max_steps
@@ -70,7 +70,7 @@ def last_metrics(run: Path) -> dict:
 
 
 def train_model(
-    run_dir: Path, records: int, max_steps: dict[str, int | None], precision: str
+    run_dir: Path, records: int, max_steps: dict[str, int | None], training: dict
 ) -> Path:
     started = time.time()
     counts = demo_data.generate(run_dir / "data", seed=0, records=records)
@@ -86,7 +86,7 @@ def train_model(
     stage_line("tokenizer", started, f"byte-level BPE, {tokenizer.vocab_size} tokens")
 
     stages = {
-        stage: load_stage_config(f"demo-{stage}.toml", run_dir, max_steps[stage], precision)
+        stage: load_stage_config(f"demo-{stage}.toml", run_dir, max_steps[stage], training)
         for stage in ("pretrain", "sft")
     }
     for stage, (_, prep) in stages.items():
@@ -200,14 +200,17 @@ def main() -> int:
         default="float32",
         help="training precision; auto = bfloat16 where the hardware multiplies it natively",
     )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the training seed (the data stays the same)"
+    )
     args = parser.parse_args()
     run_dir = args.run_dir.resolve()
     model_dir = run_dir / "model"
     started = time.time()
     if args.fresh or not (model_dir / "config.json").exists():
         steps = {"pretrain": 4, "sft": 4} if args.quick else {"pretrain": None, "sft": None}
-        precision = training_precision(args.precision)
-        train_model(run_dir, 400 if args.quick else 20000, steps, precision)
+        training = {"precision": training_precision(args.precision), "seed": args.seed}
+        train_model(run_dir, 400 if args.quick else 20000, steps, training)
         evaluate(model_dir, run_dir, limit=20 if args.quick else 0)
         print(f"[demo] trained and evaluated in {time.time() - started:.0f}s", flush=True)
     else:
