@@ -84,7 +84,10 @@ def _llama3(inv_freq, rs, original) -> torch.Tensor:
 
 def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [*positions.shape, rope_dim] in float32."""
-    seq_len = int(positions.max()) + 1 if positions.numel() else 1
+    # only dynamic NTK depends on the length; reading it elsewhere would sync (and break
+    # torch.compile's graph) for nothing
+    dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic"
+    seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else 1
     inv_freq, factor = inv_frequencies(cfg, seq_len)
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
