@@ -145,7 +145,8 @@ def sample_group(
         Request(str(i), p, sampling_params(seed=s, **sampling))
         for i, (p, s) in enumerate(zip(rows, seeds))
     ]
-    _, done = run_requests(engine, prepare_params(params_for(engine, params)), requests)
+    with torch.inference_mode():  # no autograd records; the pool and copies die here
+        _, done = run_requests(engine, prepare_params(params_for(engine, params)), requests)
     for c in done:
         if c.finish_reason == "error":
             raise RuntimeError(f"a rollout failed in the inference core: {c.error}")
