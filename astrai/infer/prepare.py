@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ log = logging.getLogger("astrai.infer")
 
 EMBED_KEY = "model.embed_tokens.weight"
 QUANTIZE = ("int8",)
+SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
 
 
 def _transposed(w: torch.Tensor) -> torch.Tensor:
@@ -25,33 +27,37 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def _time_linear(w: torch.Tensor, calls: int = 5) -> float:
-    x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-    F.linear(x, w)
+def _sweep(matrices: list[torch.Tensor], x: torch.Tensor) -> float:
     start = time.perf_counter()
-    for _ in range(calls):
+    for w in matrices:
         F.linear(x, w)
     return time.perf_counter() - start
 
 
 @functools.cache
-def _columns_win(out_features: int, in_features: int, threads: int) -> bool:
-    """Whether a float32 [out, in] matrix stored [in, out]-contiguous multiplies one row faster
-    here. It won 2x on an AVX2 machine and nothing on an AMX one, so it is measured (best of
-    three rounds of each, alternating)."""
-    w = torch.randn(out_features, in_features)
-    wt = _transposed(w)
-    rows = min(_time_linear(w) for _ in range(3))
-    cols = min(_time_linear(wt) for _ in range(3))
+def _columns_win(out_features: int, in_features: int, copies: int, threads: int) -> bool:
+    """Whether float32 [out, in] matrices stored [in, out]-contiguous multiply one row faster
+    here. It won 2x on an AVX2 machine and nothing on an AMX one, and a matrix read from cache
+    can rank the layouts otherwise than the same matrix streamed from memory, so it is
+    measured as a decode step reads them: one pass over `copies` matrices of the shape (as
+    many as the model has), best of three alternating rounds."""
+    rows = [torch.full((out_features, in_features), 0.01) for _ in range(copies)]
+    cols = [_transposed(w) for w in rows]
+    x = torch.full((1, in_features), 0.5)
+    _sweep(rows, x), _sweep(cols, x)
+    t_rows = t_cols = float("inf")
+    for _ in range(3):
+        t_rows, t_cols = min(t_rows, _sweep(rows, x)), min(t_cols, _sweep(cols, x))
     log.info(
-        "float32 %dx%d: %s layout (rows %.3f ms, columns %.3f ms per 5 calls)",
+        "float32 %dx%d (x%d): %s layout (rows %.3f ms, columns %.3f ms a pass)",
         out_features,
         in_features,
-        "columns" if cols < rows else "rows",
-        rows * 1e3,
-        cols * 1e3,
+        copies,
+        "columns" if t_cols < t_rows else "rows",
+        t_rows * 1e3,
+        t_cols * 1e3,
     )
-    return cols < rows
+    return t_cols < t_rows
 
 
 def _is_matrix(key: str, w) -> bool:
@@ -66,27 +72,79 @@ def _is_matrix(key: str, w) -> bool:
     )
 
 
-def _float_layout(w: torch.Tensor) -> torch.Tensor:
-    if w.dtype != torch.float32 or w.device.type != "cpu":
-        return w
-    return _transposed(w) if _columns_win(*w.shape, torch.get_num_threads()) else w
+def _float_layouts(matrices: list[torch.Tensor]) -> dict[torch.Size, bool]:
+    """{shape: whether the columns layout wins} for the float32 CPU matrices among these."""
+    shapes = Counter(w.shape for w in matrices if _is_float_cpu(w))
+    threads = torch.get_num_threads()
+    # enough matrices to stream as the model does, within SWEEP_BYTES of scratch
+    copies = {
+        shape: min(n, max(1, SWEEP_BYTES // (4 * shape.numel()))) for shape, n in shapes.items()
+    }
+    return {shape: _columns_win(*shape, copies[shape], threads) for shape in shapes}
+
+
+def _is_float_cpu(w) -> bool:
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
+
+
+# Projections that read the same input, each group multiplied as one matrix: a decode step is a
+# chain of matrix-vector products, and fewer, larger ones stream the weights faster (measured
+# 1.35x for a bf16 step of the small benchmark model on AMD Zen 4). The model's attention and
+# MLP read the fused key when it is there.
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def fuse_projections(params: Params) -> Params:
+    """A new dict in which each group of FUSED sibling matrices (and their biases, when all
+    have one) is one matrix, the parts stacked by output rows in the order listed."""
+    fused = dict(params)
+    for key in params:
+        for name, parts in FUSED.items():
+            suffix = f".{parts[0]}.weight"
+            if not key.endswith(suffix):
+                continue
+            prefix = key.removesuffix(suffix)
+            weights = [params.get(f"{prefix}.{part}.weight") for part in parts]
+            biases = [params.get(f"{prefix}.{part}.bias") for part in parts]
+            if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):
+                continue
+            if any(b is not None for b in biases) and not all(b is not None for b in biases):
+                continue
+            for part in parts:
+                fused.pop(f"{prefix}.{part}.weight")
+                fused.pop(f"{prefix}.{part}.bias", None)
+            fused[f"{prefix}.{name}.weight"] = torch.cat(weights)
+            if biases[0] is not None:
+                fused[f"{prefix}.{name}.bias"] = torch.cat(biases)
+    return fused
 
 
 def prepare_params(params: Params, quantize: str | None = None) -> Params:
-    """The same weights laid out for fast decoding: a new params dict with the same keys, for
-    inference only (train on the canonical params).
+    """The same weights laid out for fast decoding: a new params dict for inference only (train
+    on the canonical params; merge LoRA adapters into the weights first).
 
-    Each float32 CPU matrix is kept [out, in] or stored [in, out]-contiguous, whichever
-    multiplies one row faster on this machine (measured once per shape and cached). With
-    `quantize="int8"` the matrices of the layers and the head become Int8Matrix values (8-bit
-    weights, one scale per output channel, the fastest int8 product measured here); the
-    embedding and the norms keep their dtype. With tied embeddings the head gets its own copy,
-    so the embedding lookup keeps reading whole rows.
+    Sibling projections that read the same input are fused (see FUSED): q, k and v into
+    `qkv_proj`, gate and up into `gate_up_proj`. Each float32 CPU matrix is kept [out, in] or
+    stored [in, out]-contiguous, whichever multiplies one row faster on this machine (measured
+    once per shape and cached). With `quantize="int8"` the matrices of the layers and the head
+    become Int8Matrix values (8-bit weights, one scale per output channel, the fastest int8
+    product measured here); the embedding and the norms keep their dtype. With tied
+    embeddings a head laid out otherwise is a copy of its own, so the embedding lookup keeps
+    reading whole rows.
     """
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
-    prepare = int8_matrix if quantize == "int8" else _float_layout
-    prepared = {key: prepare(w) if _is_matrix(key, w) else w for key, w in params.items()}
+    params = fuse_projections(params)
     if "lm_head.weight" not in params and EMBED_KEY in params:
-        prepared["lm_head.weight"] = prepare(params[EMBED_KEY])
-    return prepared
+        params["lm_head.weight"] = params[EMBED_KEY]  # laid out (a copy) as a matrix below
+    matrices = {key: w for key, w in params.items() if _is_matrix(key, w)}
+    if quantize == "int8":
+        return params | {key: int8_matrix(w) for key, w in matrices.items()}
+    columns = _float_layouts(list(matrices.values()))
+    for key, w in matrices.items():
+        if _is_float_cpu(w) and columns[w.shape]:
+            params[key] = _transposed(w)
+    return params

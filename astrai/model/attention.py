@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
-from astrai.model.layers import Params, attend, linear, rms_norm
+from astrai.model.layers import Params, attend, fused_linear, linear, rms_norm
 from astrai.model.rope import apply_rope
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -39,12 +39,14 @@ def identity_store(
 def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     B, T, _ = x.shape
     H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
-    q = linear(params, f"{prefix}.q_proj", x, lora).view(B, T, H, -1)
+    parts = ("q_proj", "k_proj", "v_proj")
+    q, k, v = fused_linear(params, prefix, "qkv_proj", parts, x, lora, (None, Hkv * D, Hkv * D))
+    q = q.reshape(B, T, H, -1)
     gate = None
     if cfg.use_gated_attention:
         q, gate = q.split(D, dim=-1)
-    k = linear(params, f"{prefix}.k_proj", x, lora).view(B, T, Hkv, D)
-    v = linear(params, f"{prefix}.v_proj", x, lora).view(B, T, Hkv, D)
+    k = k.reshape(B, T, Hkv, D)
+    v = v.reshape(B, T, Hkv, D)
     if cfg.use_qk_norm:
         q = rms_norm(q, params[f"{prefix}.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, params[f"{prefix}.k_norm.weight"], cfg.rms_norm_eps)

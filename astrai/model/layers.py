@@ -32,9 +32,24 @@ def linear(params: Params, name: str, x: torch.Tensor, lora: dict | None = None)
     return y
 
 
+def fused_linear(
+    params: Params, prefix: str, fused: str, parts: tuple[str, ...], x, lora, widths=None
+) -> tuple[torch.Tensor, ...]:
+    """The projections `{prefix}.{part}` of x, one product when inference weights hold them
+    fused as `{prefix}.{fused}` (astrai.infer.prepare_params); widths of the parts (the first
+    one None: the rest of the fused output), equal parts when not given."""
+    if f"{prefix}.{fused}.weight" not in params:
+        return tuple(linear(params, f"{prefix}.{part}", x, lora) for part in parts)
+    if lora is not None:
+        raise ValueError("LoRA adapters need unfused weights: merge them before prepare_params")
+    y = linear(params, f"{prefix}.{fused}", x)
+    if widths is None:
+        return y.chunk(len(parts), dim=-1)
+    return y.split([y.shape[-1] - sum(widths[1:]), *widths[1:]], dim=-1)
+
+
 def swiglu(params: Params, prefix: str, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
-    gate = linear(params, f"{prefix}.gate_proj", x, lora)
-    up = linear(params, f"{prefix}.up_proj", x, lora)
+    gate, up = fused_linear(params, prefix, "gate_up_proj", ("gate_proj", "up_proj"), x, lora)
     return linear(params, f"{prefix}.down_proj", F.silu(gate) * up, lora)
 
 

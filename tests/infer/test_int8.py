@@ -10,6 +10,7 @@ from infer_models import greedy_reference, make_model
 
 import astrai as ai
 from astrai.infer import Engine, Int8Matrix, kernels_used, prepare_params, quant
+from astrai.infer.prepare import fuse_projections
 from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
 
 # bf16 keeps 8 significant bits; 8-bit activations (fbgemm's dynamic product) keep 7 or 8
@@ -55,10 +56,11 @@ def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
     params, _ = make_model("gqa")
     prepared = prepare_params(params, quantize="int8")
     assert isinstance(prepared["lm_head.weight"], Int8Matrix)  # tied: a copy of its own
-    assert isinstance(prepared["model.layers.0.self_attn.q_proj.weight"], Int8Matrix)
+    assert isinstance(prepared["model.layers.0.self_attn.qkv_proj.weight"], Int8Matrix)
     assert prepared["model.embed_tokens.weight"] is params["model.embed_tokens.weight"]
     assert prepared["model.norm.weight"] is params["model.norm.weight"]
-    assert sum(kernels_used(prepared).values()) == 2 * 7 + 1
+    # per layer: q, k and v fused, o, gate and up fused, down
+    assert sum(kernels_used(prepared).values()) == 2 * 4 + 1
     with pytest.raises(ValueError, match="quantize"):
         prepare_params(params, quantize="int4")
 
@@ -139,8 +141,9 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_8_bits(train
     assert full < 6  # it learnt the chain (2.6 at best, 64 knowing nothing)
     int8 = prepare_params(params, quantize="int8")
     if kernel is not None:  # the same 8-bit matrices, run by the kernel under test
+        source = fuse_projections(params)
         int8 = {
-            k: int8_matrix(params[k if k in params else "model.embed_tokens.weight"], kernel)
+            k: int8_matrix(source.get(k, params["model.embed_tokens.weight"]), kernel)
             if isinstance(w, Int8Matrix)
             else w
             for k, w in int8.items()

@@ -84,17 +84,33 @@ def test_prefill_after_cached_prefix_and_per_row_start():
     assert_close(logits[1], ai.forward(params, cfg, b[None])[0, -1], forward_roundings(cfg, 12))
 
 
-def test_prepared_params_give_the_same_logits():
-    params, cfg = make_model("gqa")
+@pytest.mark.parametrize("kind", ["gqa", "gqa_variants", "mla", "moe"])
+def test_prepared_params_give_the_same_logits(kind):
+    params, cfg = make_model(kind)
     prepared = prepare_params(params)
-    assert prepared.keys() - params.keys() == {"lm_head.weight"}
+    layers = range(cfg.num_hidden_layers)
+    # every MLP's gate and up (a mixture of experts: its shared experts'); GQA's q, k and v
+    # (MLA's projections read different inputs)
+    mlps = [f"model.layers.{i}.mlp" + (".shared_experts" * cfg.is_moe_layer(i)) for i in layers]
+    fused = {f"{mlp}.gate_up_proj.weight" for mlp in mlps}
+    if cfg.attn_type == "gqa":
+        kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
+        fused |= {f"model.layers.{i}.self_attn.qkv_proj.{k}" for i in layers for k in kinds}
+    assert prepared.keys() - params.keys() == {"lm_head.weight"} | fused
     tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
-    # the prepared lm_head is the same numbers in another layout: another summation order
+    # the same numbers in other layouts and fused products: another summation order
     assert_close(
         ai.forward(prepared, cfg, tokens),
         ai.forward(params, cfg, tokens),
         forward_roundings(cfg, 6),
     )
+
+
+def test_fused_weights_refuse_lora_adapters():
+    params, cfg = make_model("gqa")
+    lora = {"scale": 1.0, "weights": ai.init_lora(params, cfg, rank=2)}
+    with pytest.raises(ValueError, match="merge"):
+        ai.forward(prepare_params(params), cfg, torch.tensor([[1, 2, 3]]), lora=lora)
 
 
 def test_position_past_the_page_table_is_an_error():
