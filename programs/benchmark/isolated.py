@@ -1,7 +1,8 @@
-"""What users run, each in a process of its own: a real `just serve` process (programs/serve.py)
-with one streaming client in this process, against the bare prefill + decode_step loop in a
-clean worker process. Neither shares a process with the other or with transformers, so
-neither pays for another thread's OpenMP team (see docs/inference.md, "One compute thread")."""
+"""What users run, each in a process of its own: the Engine, the bare prefill + decode_step loop
+and transformers' generate in side workers (programs/benchmark/side_worker.py), and a real
+`just serve` process (programs/serve.py) with streaming clients in the benchmark's process.
+None shares a process with another, so none pays for another thread's OpenMP team (see
+docs/inference.md, "One compute thread"), and none of them with the benchmark's own work."""
 
 from __future__ import annotations
 
@@ -23,35 +24,49 @@ def _env(threads: int | None) -> dict[str, str]:
     return {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
 
 
-class LoopProcess:
-    """The worker's pipe: `generate(prompt, n)` -> its greedy tokens."""
+class SideProcess:
+    """A side worker's pipe: `generate(prompts, n)` -> its greedy completions."""
 
-    def __init__(self, process: subprocess.Popen):
-        self.process = process
+    def __init__(self, process: subprocess.Popen, facts: dict):
+        self.process, self.facts = process, facts
 
-    def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
-        self.process.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        request = {"prompts": prompts, "new_tokens": new_tokens}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
+        return self._answer()["tokens"]
+
+    def _answer(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the loop worker exited with status {self.process.wait()}")
-        return json.loads(line)["tokens"]
+            raise RuntimeError(f"the side worker exited with status {self.process.wait()}")
+        return json.loads(line)
 
 
 @contextlib.contextmanager
-def loop_process(folder: Path, dtype: str, quantize: str | None, threads: int | None):
-    command = [sys.executable, str(PROGRAMS / "benchmark" / "loop_worker.py"), str(folder), dtype]
-    command += [quantize] if quantize else []
+def side_process(spec: dict, threads: int | None) -> Iterator[SideProcess]:
+    """programs/benchmark/side_worker.py for spec (its docstring lists the keys), started and
+    ready; stopped on exit."""
+    command = [sys.executable, str(PROGRAMS / "benchmark" / "side_worker.py"), json.dumps(spec)]
     process = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(threads)
     )
     try:
-        if not process.stdout.readline():
-            raise RuntimeError(f"the loop worker exited with status {process.wait()}")
-        yield LoopProcess(process)
+        side = SideProcess(process, {})
+        side.facts = side._answer()["facts"]
+        yield side
     finally:
         process.stdin.close()
         process.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def side_processes(specs: dict[str, dict], threads: int | None) -> Iterator[dict]:
+    """{name: SideProcess} for {name: spec}, each in a process of its own."""
+    with contextlib.ExitStack() as stack:
+        yield {
+            name: stack.enter_context(side_process(spec, threads)) for name, spec in specs.items()
+        }
 
 
 @contextlib.contextmanager

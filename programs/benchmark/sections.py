@@ -5,7 +5,9 @@ runner reports as skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,15 +86,41 @@ class Bench:
 
 
 def engine_of(b: Bench):
-    """The run's one Engine, made on first use and shared by decode, throughput and serve."""
+    """The run's in-process Engine, made on first use and shared by structured and serve."""
     if b.engine is None:
         b.engine = ours.make_engine(
             b.params, b.cfg, b.tokenizer, b.work, b.device, b.dtype, b.quantize
         )
-        kernels = ", ".join(f"{n} {kind}" for kind, n in b.engine.kernels.items())
-        b.extra["kernels"] = b.engine.kernels
-        b.note(f"our matrix products: {kernels}")
+        _note_kernels(b, b.engine.kernels)
     return b.engine
+
+
+def _note_kernels(b: Bench, kernels: dict[str, int]) -> None:
+    if "kernels" not in b.extra:
+        b.extra["kernels"] = kernels
+        b.note(f"our matrix products: {', '.join(f'{n} {kind}' for kind, n in kernels.items())}")
+
+
+@contextlib.contextmanager
+def sides(b: Bench, names: tuple[str, ...]) -> Iterator[dict[str, Callable]]:
+    """{name: generate(prompts, new_tokens)} for the named sides ("engine", "loop",
+    "transformers"), each in a process of its own (benchmark/isolated.py): a side measured
+    next to another's threads would pay for them. transformers only when it is installed."""
+    from .isolated import side_processes
+
+    base = {
+        "folder": str(b.folder),
+        "device": str(b.device),
+        "dtype": str(b.dtype).removeprefix("torch."),
+        "quantize": b.quantize,
+        "workload": dataclasses.asdict(b.work),
+    }
+    wanted = [n for n in names if n != "transformers" or b.reference is not None]
+    specs = {name: {**base, "side": name} for name in wanted}
+    with side_processes(specs, torch.get_num_threads()) as processes:
+        if "engine" in processes:
+            _note_kernels(b, processes["engine"].facts["kernels"])
+        yield {name: process.generate for name, process in processes.items()}
 
 
 def _available(b: Bench, calls: dict) -> dict:
@@ -167,16 +195,12 @@ def limit_rows(b: Bench) -> None:
 def decode(b: Bench) -> None:
     """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
     n = b.work.new_tokens
-    engine, prepared = engine_of(b), ours.prepared(b.params, b.cfg, b.quantize)
     limit(b)
-    calls = {
-        "engine": lambda p: ours.engine_generate(engine, [p], n)[0],
-        "loop": lambda p: ours.greedy_decode(prepared, b.cfg, p, n),
-        "transformers": lambda p: reference.generate(b.reference, [p], n)[0],
-    }
-    calls |= {k: lambda p, f=f: f([p])[0] for k, f in generate_calls(b.peer, n).items()}
     outputs: dict = {}
-    rates = b.measure(_available(b, calls), b.prompts(b.work.rounds + 1, seed=1), n, outputs)
+    with sides(b, ("engine", "loop", "transformers")) as generate:
+        calls = {k: lambda p, f=f: f([p], n)[0] for k, f in generate.items()}
+        calls |= {k: lambda p, f=f: f([p])[0] for k, f in generate_calls(b.peer, n).items()}
+        rates = b.measure(calls, b.prompts(b.work.rounds + 1, seed=1), n, outputs)
     pairs = [
         ("engine", "transformers", "Engine, batch 1"),
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
@@ -211,21 +235,18 @@ def _agreement(outputs: dict[str, dict[int, list[int]]]) -> dict[str, float]:
 def throughput(b: Bench) -> None:
     """c concurrent requests in one go: total generated tokens / wall time."""
     n = b.work.new_tokens
-    engine = engine_of(b)
-    calls = {
-        "engine": lambda batch: ours.engine_generate(engine, batch, n),
-        "transformers": lambda batch: reference.generate(b.reference, batch, n),
-        **generate_calls(b.peer, n),
-    }
-    for c in b.work.concurrency:
-        limit(b)
-        batches = [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)]
-        rates = b.measure(_available(b, calls), batches, c * n)
-        targets = {"engine": THROUGHPUT_TARGETS.get(c)}
-        pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
-        _reference_rows(b, "throughput", rates, pairs, "tok/s", targets)
-        peer_rows(b, "throughput", rates, "engine", f"Engine, {c} concurrent requests")
-        b.shares.append(("throughput", c, rates, None))
+    with sides(b, ("engine", "transformers")) as generate:
+        calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
+        calls |= generate_calls(b.peer, n)
+        for c in b.work.concurrency:
+            limit(b)
+            batches = [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)]
+            rates = b.measure(calls, batches, c * n)
+            targets = {"engine": THROUGHPUT_TARGETS.get(c)}
+            pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
+            _reference_rows(b, "throughput", rates, pairs, "tok/s", targets)
+            peer_rows(b, "throughput", rates, "engine", f"Engine, {c} concurrent requests")
+            b.shares.append(("throughput", c, rates, None))
 
 
 def prefill(b: Bench) -> None:
@@ -421,7 +442,7 @@ def isolated(b: Bench) -> None:
     """One streaming client of a real `just serve` process against the bare prefill +
     decode_step loop in a clean process: batch 1, the same weights file, dtype and quantize,
     alternating rounds timed from this process."""
-    from .isolated import loop_process, serve_process
+    from .isolated import serve_process
     from .serving import stream_load
 
     n = b.work.new_tokens
@@ -431,12 +452,12 @@ def isolated(b: Bench) -> None:
     if not (b.folder / "tokenizer.json").exists():  # just serve reads it from the folder
         b.tokenizer.save_pretrained(b.folder)
     with (
-        loop_process(b.folder, dtype, b.quantize, threads) as loop,
+        sides(b, ("loop",)) as generate,
         serve_process(b.folder, dtype, b.quantize, threads) as url,
     ):
         calls = {
             "serve": lambda p: stream_load(url, [p], n),
-            "loop": lambda p: loop.generate(p, n),
+            "loop": lambda p: generate["loop"]([p], n)[0],
         }
         rates = b.measure(calls, prompts, n)
     label = "just serve process, 1 streaming client vs the loop in a clean process"
