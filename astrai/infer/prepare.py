@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.infer.quant import int8_matrix
+from astrai.model.layers import FUSED
 
 Params = dict[str, torch.Tensor]
 log = logging.getLogger("astrai.infer")
@@ -37,10 +38,10 @@ def _sweep(matrices: list[torch.Tensor], x: torch.Tensor) -> float:
 @functools.cache
 def _columns_win(out_features: int, in_features: int, copies: int, threads: int) -> bool:
     """Whether float32 [out, in] matrices stored [in, out]-contiguous multiply one row faster
-    here. It won 2x on an AVX2 machine and nothing on an AMX one, and a matrix read from cache
-    can rank the layouts otherwise than the same matrix streamed from memory, so it is
-    measured as a decode step reads them: one pass over `copies` matrices of the shape (as
-    many as the model has), best of three alternating rounds."""
+    here. It won 2x on an AVX2 machine and nothing on an AMX one, so it is measured, the way a
+    decode step reads the matrices (streamed one after the other, not one read again from
+    cache): one pass over `copies` matrices of the shape (as many as the model has), best of
+    three alternating rounds."""
     rows = [torch.full((out_features, in_features), 0.01) for _ in range(copies)]
     cols = [_transposed(w) for w in rows]
     x = torch.full((1, in_features), 0.5)
@@ -87,16 +88,6 @@ def _is_float_cpu(w) -> bool:
     return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
-# Projections that read the same input, each group multiplied as one matrix: a decode step is a
-# chain of matrix-vector products, and fewer, larger ones stream the weights faster (measured
-# 1.35x for a bf16 step of the small benchmark model on AMD Zen 4). The model's attention and
-# MLP read the fused key when it is there.
-FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
 def fuse_projections(params: Params) -> Params:
     """A new dict in which each group of FUSED sibling matrices (and their biases, when all
     have one) is one matrix, the parts stacked by output rows in the order listed."""
@@ -126,7 +117,7 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     """The same weights laid out for fast decoding: a new params dict for inference only (train
     on the canonical params; merge LoRA adapters into the weights first).
 
-    Sibling projections that read the same input are fused (see FUSED): q, k and v into
+    Sibling projections that read the same input are fused (see astrai.model.layers.FUSED): q, k and v into
     `qkv_proj`, gate and up into `gate_up_proj`. Each float32 CPU matrix is kept [out, in] or
     stored [in, out]-contiguous, whichever multiplies one row faster on this machine (measured
     once per shape and cached). With `quantize="int8"` the matrices of the layers and the head

@@ -39,8 +39,7 @@ def identity_store(
 def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     B, T, _ = x.shape
     H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
-    parts = ("q_proj", "k_proj", "v_proj")
-    q, k, v = fused_linear(params, prefix, "qkv_proj", parts, x, lora, (None, Hkv * D, Hkv * D))
+    q, k, v = fused_linear(params, prefix, "qkv_proj", x, lora, (None, Hkv * D, Hkv * D))
     q = q.reshape(B, T, H, -1)
     gate = None
     if cfg.use_gated_attention:
