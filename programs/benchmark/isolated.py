@@ -24,6 +24,13 @@ def _env(threads: int | None) -> dict[str, str]:
     return {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
 
 
+def _answer(process: subprocess.Popen) -> dict:
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the side worker exited with status {process.wait()}")
+    return json.loads(line)
+
+
 class SideProcess:
     """A side worker's pipe: `generate(prompts, n)` -> its greedy completions."""
 
@@ -34,13 +41,7 @@ class SideProcess:
         request = {"prompts": prompts, "new_tokens": new_tokens}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return self._answer()["tokens"]
-
-    def _answer(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the side worker exited with status {self.process.wait()}")
-        return json.loads(line)
+        return _answer(self.process)["tokens"]
 
 
 @contextlib.contextmanager
@@ -52,9 +53,7 @@ def side_process(spec: dict, threads: int | None) -> Iterator[SideProcess]:
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(threads)
     )
     try:
-        side = SideProcess(process, {})
-        side.facts = side._answer()["facts"]
-        yield side
+        yield SideProcess(process, _answer(process)["facts"])
     finally:
         process.stdin.close()
         process.wait(timeout=60)
