@@ -83,21 +83,22 @@ def _llama3(inv_freq, rs, original) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [*positions.shape, rope_dim] in float32."""
+    """cos, sin of shape [*positions.shape, rope_dim] in float32, for half-split pairs as Hugging
+    Face rotates them. The first half of sin is negated, so that `apply_rope` needs no sign flip."""
     # only dynamic NTK depends on the length; reading it elsewhere would sync (and break
     # torch.compile's graph) for nothing
     dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic"
     seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else 1
     inv_freq, factor = inv_frequencies(cfg, seq_len)
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos() * factor, angles.sin() * factor
+    cos, sin = angles.cos() * factor, angles.sin() * factor
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] (or [B, T, D]) by tables [B, T, D] (half-split pairs, as HF does)."""
+    """Rotate x [B, T, H, D] (or [B, T, D]) by the tables of `rope_tables` [B, T, D]."""
     if x.dim() == 4:
         cos, sin = cos[:, :, None], sin[:, :, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rolling by half swaps the halves and the
+    # table carries the sign, three ops where a decode step is bound by the count of small ops.
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
