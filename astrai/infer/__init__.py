@@ -18,6 +18,7 @@ from astrai.infer.events import (
     Usage,
 )
 from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.packed import PackedMatrix
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import (
     alloc_pages,
@@ -27,8 +28,8 @@ from astrai.infer.pages import (
     pages_for,
     share_pages,
 )
-from astrai.infer.prepare import prepare_params
-from astrai.infer.quant import Int8Matrix, kernels_used
+from astrai.infer.prepare import kernels_used, prepare_params
+from astrai.infer.quant import Int8Matrix
 from astrai.infer.radix import (
     PrefixCache,
     clear_prefix_cache,
@@ -58,6 +59,7 @@ __all__ = [
     "EngineState",
     "Int8Matrix",
     "Overloaded",
+    "PackedMatrix",
     "PrefixCache",
     "PromptTooLong",
     "Request",

@@ -23,8 +23,7 @@ import torch
 
 from astrai.config import EngineConfig, ModelConfig
 from astrai.infer.events import Completion, Events, Overloaded, StreamEvent, collect
-from astrai.infer.prepare import prepare_params
-from astrai.infer.quant import kernels_used
+from astrai.infer.prepare import kernels_used, prepare_params
 from astrai.infer.sampling import SamplingParams, sampling_params
 from astrai.infer.sequence import Sequence
 from astrai.infer.step import (

@@ -1,6 +1,6 @@
 """prepare_params: the canonical weights turned, once, into the form that decodes fastest on
 the running machine. Every choice in it is measured here at load, never assumed from another
-machine: the layout of float32 matrices, and with `quantize="int8"` the 8-bit product."""
+machine: the layout of float matrices, and with `quantize="int8"` the 8-bit product."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
-from astrai.infer.quant import int8_matrix
-from astrai.model.layers import FUSED
+from astrai.infer.packed import DTYPES, pack
+from astrai.infer.quant import TUNE_ROWS, int8_matrix
+from astrai.model.layers import FUSED, project
 
 Params = dict[str, torch.Tensor]
 log = logging.getLogger("astrai.infer")
@@ -28,37 +28,56 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def _sweep(matrices: list[torch.Tensor], x: torch.Tensor) -> float:
+def _sweep(matrices: list, x: torch.Tensor) -> float:
     start = time.perf_counter()
     for w in matrices:
-        F.linear(x, w)
+        project(x, w)
     return time.perf_counter() - start
 
 
+# The forms a float CPU matrix can take; each builds the prepared weight from [out, in].
+LAYOUTS = {"rows": lambda w: w, "columns": _transposed, "packed": pack}
+
+
 @functools.cache
-def _columns_win(out_features: int, in_features: int, copies: int, threads: int) -> bool:
-    """Whether float32 [out, in] matrices stored [in, out]-contiguous multiply one row faster
-    here. It won 2x on an AVX2 machine and nothing on an AMX one, so it is measured, the way a
-    decode step reads the matrices (streamed one after the other, not one read again from
-    cache): one pass over `copies` matrices of the shape (as many as the model has), best of
-    three alternating rounds."""
-    rows = [torch.full((out_features, in_features), 0.01) for _ in range(copies)]
-    cols = [_transposed(w) for w in rows]
-    x = torch.full((1, in_features), 0.5)
-    _sweep(rows, x), _sweep(cols, x)
-    t_rows = t_cols = float("inf")
+def _fastest_layout(
+    out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
+) -> str:
+    """The layout of LAYOUTS in which [out, in] matrices multiply fastest here. The columns
+    layout won 2x on an AVX2 machine and nothing on an AMX one, and oneDNN's packing 2-3x on
+    AMD Zen 4, so it is measured, the way a decode step reads the matrices (streamed one after
+    the other, not one read again from cache): a pass over `copies` matrices of the shape (as
+    many as the model has) at each of TUNE_ROWS rows, best of three alternating rounds."""
+    plain = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
+    candidates = {}
+    for name, build in LAYOUTS.items():
+        try:
+            candidates[name] = [build(w) for w in plain]
+        except RuntimeError as exc:  # not available here: not a candidate
+            log.debug("layout %s unavailable for %s: %s", name, dtype, exc)
+    inputs = [torch.full((rows, in_features), 0.5, dtype=dtype) for rows in TUNE_ROWS]
+
+    def seconds(matrices: list) -> float:
+        return sum(_sweep(matrices, x) for x in inputs)
+
+    for matrices in candidates.values():
+        seconds(matrices)  # warm-up
+    best = dict.fromkeys(candidates, float("inf"))
     for _ in range(3):
-        t_rows, t_cols = min(t_rows, _sweep(rows, x)), min(t_cols, _sweep(cols, x))
+        for name, matrices in candidates.items():
+            best[name] = min(best[name], seconds(matrices))
+    choice = min(best, key=best.get)
+    shown = ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in best.items())
     log.info(
-        "float32 %dx%d (x%d): %s layout (rows %.3f ms, columns %.3f ms a pass)",
+        "%s %dx%d (x%d): %s layout (%s a pass)",
+        str(dtype).removeprefix("torch."),
         out_features,
         in_features,
         copies,
-        "columns" if t_cols < t_rows else "rows",
-        t_rows * 1e3,
-        t_cols * 1e3,
+        choice,
+        shown,
     )
-    return t_cols < t_rows
+    return choice
 
 
 def _is_matrix(key: str, w) -> bool:
@@ -73,19 +92,21 @@ def _is_matrix(key: str, w) -> bool:
     )
 
 
-def _float_layouts(matrices: list[torch.Tensor]) -> dict[torch.Size, bool]:
-    """{shape: whether the columns layout wins} for the float32 CPU matrices among these."""
-    shapes = Counter(w.shape for w in matrices if _is_float_cpu(w))
+def _layouts(matrices: list[torch.Tensor]) -> dict[tuple[torch.Size, torch.dtype], str]:
+    """{(shape, dtype): fastest layout} for the float CPU matrices among these."""
+    kinds = Counter((w.shape, w.dtype) for w in matrices if _is_float_cpu(w))
     threads = torch.get_num_threads()
-    # enough matrices to stream as the model does, within SWEEP_BYTES of scratch
-    copies = {
-        shape: min(n, max(1, SWEEP_BYTES // (4 * shape.numel()))) for shape, n in shapes.items()
+    # enough matrices to stream as the model does, within SWEEP_BYTES of scratch each
+    return {
+        (shape, dtype): _fastest_layout(
+            *shape, dtype, min(n, max(1, SWEEP_BYTES // (dtype.itemsize * shape.numel()))), threads
+        )
+        for (shape, dtype), n in kinds.items()
     }
-    return {shape: _columns_win(*shape, copies[shape], threads) for shape in shapes}
 
 
 def _is_float_cpu(w) -> bool:
-    return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
+    return isinstance(w, torch.Tensor) and w.dtype in DTYPES and w.device.type == "cpu"
 
 
 def fuse_projections(params: Params) -> Params:
@@ -117,12 +138,13 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     """The same weights laid out for fast decoding: a new params dict for inference only (train
     on the canonical params; merge LoRA adapters into the weights first).
 
-    Sibling projections that read the same input are fused (see astrai.model.layers.FUSED): q, k and v into
-    `qkv_proj`, gate and up into `gate_up_proj`. Each float32 CPU matrix is kept [out, in] or
-    stored [in, out]-contiguous, whichever multiplies one row faster on this machine (measured
-    once per shape and cached). With `quantize="int8"` the matrices of the layers and the head
-    become Int8Matrix values (8-bit weights, one scale per output channel, the fastest int8
-    product measured here); the embedding and the norms keep their dtype. With tied
+    Sibling projections that read the same input are fused (see astrai.model.layers.FUSED): q,
+    k and v into `qkv_proj`, gate and up into `gate_up_proj`. Each float32 or bfloat16 CPU
+    matrix takes the layout of LAYOUTS that multiplies fastest on this machine (measured once
+    per shape and cached): kept [out, in], stored [in, out]-contiguous, or packed for oneDNN (a
+    PackedMatrix). With `quantize="int8"` the matrices of the layers and the head become
+    Int8Matrix values (8-bit weights, one scale per output channel, the fastest int8 product
+    measured here). The embedding and the norms keep their dtype and layout. With tied
     embeddings a head laid out otherwise is a copy of its own, so the embedding lookup keeps
     reading whole rows.
     """
@@ -134,8 +156,20 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     matrices = {key: w for key, w in params.items() if _is_matrix(key, w)}
     if quantize == "int8":
         return params | {key: int8_matrix(w) for key, w in matrices.items()}
-    columns = _float_layouts(list(matrices.values()))
+    layouts = _layouts(list(matrices.values()))
     for key, w in matrices.items():
-        if _is_float_cpu(w) and columns[w.shape]:
-            params[key] = _transposed(w)
+        if _is_float_cpu(w):
+            params[key] = LAYOUTS[layouts[w.shape, w.dtype]](w)
     return params
+
+
+def kernels_used(params: Params) -> dict[str, int]:
+    """How many matrices of prepared params run each product: an Int8Matrix's or
+    PackedMatrix's kernel, "float" for a plain tensor."""
+    counts: Counter[str] = Counter()
+    for key, w in params.items():
+        if not isinstance(w, torch.Tensor):
+            counts[w.kernel] += 1
+        elif _is_matrix(key, w):
+            counts["float"] += 1
+    return dict(counts)

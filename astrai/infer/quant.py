@@ -132,14 +132,3 @@ def int8_matrix(w: torch.Tensor, kernel: str | None = None) -> Int8Matrix:
     if kernel not in BUILDERS:
         raise ValueError(f"unknown int8 kernel {kernel!r}; one of {', '.join(KERNELS)}")
     return Int8Matrix(q, scale, kernel, BUILDERS[kernel](q, scale))
-
-
-def kernels_used(params: dict) -> dict[str, int]:
-    """How many matrices of prepared params run each product ("float" for the unquantized)."""
-    counts: dict[str, int] = {}
-    for key, w in params.items():
-        if isinstance(w, Int8Matrix):
-            counts[w.kernel] = counts.get(w.kernel, 0) + 1
-        elif key.endswith(".weight") and w.dim() == 2 and key != "model.embed_tokens.weight":
-            counts["float"] = counts.get("float", 0) + 1
-    return counts
