@@ -49,19 +49,19 @@ def _fastest_layout(
     the other, not one read again from cache): a pass over `copies` matrices of the shape (as
     many as the model has) at each of TUNE_ROWS rows, best of three alternating rounds."""
     plain = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
-    candidates = {}
-    for name, build in LAYOUTS.items():
-        try:
-            candidates[name] = [build(w) for w in plain]
-        except RuntimeError as exc:  # not available here: not a candidate
-            log.debug("layout %s unavailable for %s: %s", name, dtype, exc)
     inputs = [torch.full((rows, in_features), 0.5, dtype=dtype) for rows in TUNE_ROWS]
 
     def seconds(matrices: list) -> float:
         return sum(_sweep(matrices, x) for x in inputs)
 
-    for matrices in candidates.values():
-        seconds(matrices)  # warm-up
+    candidates = {}
+    for name, build in LAYOUTS.items():
+        try:
+            candidates[name] = [build(w) for w in plain]
+            seconds(candidates[name])  # warm-up, and a check that it runs here at all
+        except RuntimeError as exc:  # not available here: not a candidate
+            candidates.pop(name, None)
+            log.debug("layout %s unavailable for %s: %s", name, dtype, exc)
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(3):
         for name, matrices in candidates.items():
