@@ -17,8 +17,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias). W is a tensor, or a prepared inference weight (an 8-bit matrix, see
-    astrai.infer.quant) that brings its own product as `.linear(x)`."""
+    """x @ W.T (+ bias). W is a tensor, or a prepared inference weight (an 8-bit or a
+    oneDNN-packed matrix, see astrai.infer.prepare) that brings its own product as `.linear(x)`."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     y = weight.linear(x)
