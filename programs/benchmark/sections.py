@@ -192,6 +192,14 @@ def limit_rows(b: Bench) -> None:
 # --- inference ---------------------------------------------------------------------------------
 
 
+def _decode_target(b: Bench) -> float:
+    """Batch-1 Engine against transformers: 1.5x in the run's dtype; with 8-bit weights what
+    llama.cpp's Q8_0 reaches against transformers float32 on these shapes."""
+    if b.quantize is None:
+        return 1.5
+    return 2.5 if b.size == "smol" else 5.0
+
+
 def decode(b: Bench) -> None:
     """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
     n = b.work.new_tokens
@@ -205,7 +213,7 @@ def decode(b: Bench) -> None:
         ("engine", "transformers", "Engine, batch 1"),
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
     ]
-    _reference_rows(b, "decode", rates, pairs, "tok/s", {"engine": 1.5})
+    _reference_rows(b, "decode", rates, pairs, "tok/s", {"engine": _decode_target(b)})
     peer_rows(b, "decode", rates, "engine", "Engine, batch 1")
     b.shares.append(("decode", 1, rates, 50.0 if b.size == "smol" else None))
     b.extra["greedy_agreement"] = _agreement(outputs)
