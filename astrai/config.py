@@ -583,6 +583,16 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mode: Literal["data", "sharded"] = "data"
     """`data`: every rank holds the whole model and gradients are all-reduced; `sharded`:
     each rank keeps 1/N of parameters, gradients and optimizer state (ZeRO-3 / FSDP)."""
+    replicas: int = 1
+    """With `sharded`: split the ranks into this many groups of consecutive ranks (e.g. one per
+    machine), each holding a whole copy of the state sharded over its own ranks (hybrid
+    sharding, HSDP). It must divide the number of ranks."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"parallel.replicas must be at least 1, got {self.replicas}")
+        if self.replicas > 1 and self.mode != "sharded":
+            raise ValueError("parallel.replicas applies to mode 'sharded' only")
 
     @property
     def sharded(self) -> bool:

@@ -126,12 +126,12 @@ def start_state(
     """The checkpoint's state (its cursor moved to this rank), or a fresh one."""
     rows = rows_per_rank(train_cfg, dist.world_size)
     if ckpt is not None:
-        mesh = mesh_for(dist.device) if sharded(train_cfg, dist) else None
+        mesh = shard_mesh(train_cfg, dist) if sharded(train_cfg, dist) else None
         state = load_train_state(ckpt, train_cfg, dist.device, mesh=mesh)
         return state._replace(cursor=with_rank(state.cursor, dist.rank, dist.world_size, rows))
     params, model_cfg = initial_params(train_cfg, dist.device)
     if sharded(train_cfg, dist):  # each rank keeps its part of rank 0's weights
-        params = shard_params(params, mesh_for(dist.device))
+        params = shard_params(params, shard_mesh(train_cfg, dist))
     else:
         broadcast_(list(params.values()))  # every rank starts from rank 0's weights
     return init_train_state(params, train_cfg, model_cfg, cursor=source_cursor)
@@ -151,6 +151,11 @@ def sharded(train_cfg: TrainConfig, dist: DistInfo) -> bool:
     return train_cfg.parallel.sharded and dist.world_size > 1
 
 
+def shard_mesh(train_cfg: TrainConfig, dist: DistInfo):
+    """The device mesh a sharded run spreads its state over (`parallel.replicas` copies)."""
+    return mesh_for(dist.device, train_cfg.parallel.replicas)
+
+
 def needs_reference(train_cfg: TrainConfig) -> bool:
     return train_cfg.kind == "dpo" or (train_cfg.kind == "grpo" and train_cfg.loss.grpo_kl_beta > 0)
 
@@ -160,7 +165,7 @@ def _frozen_copy(train_cfg: TrainConfig, dist: DistInfo, state: TrainState, ckpt
     if ckpt is None:
         return {k: v.detach().clone() for k, v in state.params.items()}
     params = initial_params(train_cfg, dist.device)[0]
-    return shard_params(params, mesh_for(dist.device)) if sharded(train_cfg, dist) else params
+    return shard_params(params, shard_mesh(train_cfg, dist)) if sharded(train_cfg, dist) else params
 
 
 # --- one step and what happens around it --------------------------------------------------------

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor import empty as sharded_empty
 
 import astrai.train.checkpoint as ckpt
 from astrai.config import ModelConfig, TrainConfig, model_config_from_json, write_model_config
 from astrai.model import param_shapes, save_pretrained
 from astrai.train.distributed import barrier
+from astrai.train.sharded import placements
 from astrai.train.state import TrainState, init_train_state
 
 
@@ -138,7 +139,7 @@ def _empty_params(cfg: ModelConfig, device, mesh: DeviceMesh | None) -> dict:
     if mesh is None:
         return {k: torch.empty(s, device=device) for k, s in param_shapes(cfg).items()}
     shapes = param_shapes(cfg).items()
-    return {k: sharded_empty(s, device_mesh=mesh, placements=[Shard(0)]) for k, s in shapes}
+    return {k: sharded_empty(s, device_mesh=mesh, placements=placements(mesh)) for k, s in shapes}
 
 
 def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
@@ -148,7 +149,7 @@ def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
         if isinstance(tree, dict):
             return {k: shard(v) for k, v in tree.items()}
         if isinstance(tree, torch.Tensor):
-            return distribute_tensor(tree, mesh, [Shard(0)])
+            return distribute_tensor(tree, mesh, placements(mesh))
         return tree
 
     opt = {k: shard(v) if isinstance(v, dict) else v for k, v in state.opt.items()}

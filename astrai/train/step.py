@@ -22,7 +22,7 @@ from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
 from astrai.train.schedules import lr_at
-from astrai.train.sharded import gathered, is_sharded, local
+from astrai.train.sharded import gathered, is_sharded, local, replicas_of
 from astrai.train.state import TrainState
 
 
@@ -212,8 +212,8 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     if train_cfg.kind == "grpo" and isinstance(batch, dict):
         batch = with_advantages(batch, train_cfg.loss)  # on whole groups, before splitting
     grads, spec, names, stats = _accumulate(state, batch, generator)
-    sharded = is_sharded(state.trainable)
-    raw_norm, stats = _reduce(grads, stats, sharded, train_cfg.bucket_mb)
+    copies = replicas_of(state.trainable) if is_sharded(state.trainable) else None
+    raw_norm, stats = _reduce(grads, stats, copies, train_cfg.bucket_mb)
     # One host sync per step: the finiteness check, clipping and the metrics need the numbers.
     numbers = torch.cat([raw_norm.reshape(1), stats]).tolist()
     summed = dict(zip(names, numbers[1:]))
@@ -234,7 +234,7 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     optimizer = make_optimizer(train_cfg.optimizer, state.trainable)
     grads = tree_unflatten(grads, spec)
     trainable, opt = optimizer.update(local(state.trainable), grads, local(state.opt), lr)
-    if sharded:  # the shards were updated in place; keep their DTensors
+    if copies:  # the shards were updated in place; keep their DTensors
         trainable = state.trainable
         opt = {k: state.opt[k] if isinstance(state.opt[k], dict) else v for k, v in opt.items()}
     if state.lora is None:
@@ -244,14 +244,17 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     return new, {**metrics, "skipped": new.skipped}
 
 
-def _reduce(grads: list, stats: torch.Tensor, sharded: bool, bucket_mb: float):
+def _reduce(grads: list, stats: torch.Tensor, copies: int | None, bucket_mb: float):
     """Sum gradients and stats over ranks -> (global gradient norm, summed stats). The grads
-    are sums of weight * gradient; the norm of their mean is that norm / the total weight."""
-    if not sharded:
+    are sums of weight * gradient; the norm of their mean is that norm / the total weight.
+    copies: None for whole gradients, else how many ranks hold each shard (hybrid sharding)."""
+    if copies is None:
         all_reduce_sum_([*grads, stats], bucket_mb)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))), stats
-    # Sharded: the reduce-scatter already summed each shard; add up the shards' squared norms.
+    # Sharded: the reduce-scatter already summed each shard; add up the shards' squared norms,
+    # each counted once though `copies` ranks hold it.
     squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else stats[:1] * 0
+    squares = squares / copies
     totals = torch.cat([squares.reshape(1), stats])
     all_reduce_sum_([totals])
     return totals[0].sqrt(), totals[1:]

@@ -1,6 +1,6 @@
 """Run under torchrun: one sharded AdamW step of a tiny model, measuring what each rank holds.
 
-Appends one JSON line per rank to the file given: the bytes of this rank's params, gradients
+Appends one JSON line per rank to the file given (a second argument: parallel.replicas): the bytes of this rank's params, gradients
 and optimizer moments, the whole (unsharded) total, and the most gathered weight bytes alive at
 once during the step (every gather is counted until the tensor is freed).
 """
@@ -50,14 +50,15 @@ class GatherMeter:
         self.alive -= size
 
 
-def main(out: str) -> None:
+def main(out: str, replicas: int) -> None:
     info = init_distributed("gloo", "cpu")
     model = msgspec.to_builtins(MODEL)
-    cfg = train_config({"model": model, "batch_size": 4, "parallel": {"mode": "sharded"}})
+    parallel = {"mode": "sharded", "replicas": replicas}
+    cfg = train_config({"model": model, "batch_size": 4, "parallel": parallel})
     whole = init_params(MODEL, seed=0)
     sizes = {k: v.numel() * v.element_size() for k, v in whole.items()}
     rows = {k: v[0].numel() * v.element_size() if v.dim() else 0 for k, v in whole.items()}
-    params = sharded.shard_params(whole, sharded.mesh_for(info.device))
+    params = sharded.shard_params(whole, sharded.mesh_for(info.device, replicas))
     state = init_train_state(params, cfg, MODEL)
 
     meter = GatherMeter(sharded.gather)
@@ -99,4 +100,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)

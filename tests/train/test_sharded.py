@@ -118,18 +118,19 @@ def test_sharded_bf16_matches_one_process_in_bf16(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc):
+@pytest.mark.parametrize("nproc, replicas", [(2, 1), (4, 1), (4, 2)])
+def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc, replicas):
     out = tmp_path / "probe.json"
-    done = torchrun(nproc, PROBE, str(out))
+    done = torchrun(nproc, PROBE, str(out), str(replicas))
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(reports) == nproc
+    shards = nproc // replicas  # hybrid: each replica group holds one whole copy
     for r in reports:
         whole, held = r["whole_bytes"], r["held_bytes"]
         # params + gradients + both AdamW moments: 1/N of the whole, up to one row per tensor
         # that does not split evenly over the ranks.
-        assert whole / nproc - r["slack_bytes"] <= held <= whole / nproc + r["slack_bytes"]
+        assert whole / shards - r["slack_bytes"] <= held <= whole / shards + r["slack_bytes"]
         # Gathered weights alive at once: at most one layer plus the embedding/head and norm,
         # which are read outside the layers (not the whole model); at least the largest weight.
         assert r["largest_tensor_bytes"] <= r["peak_gathered_bytes"]
@@ -174,6 +175,32 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     assert model_cfg == TINY and exported.keys() == whole_run.keys()
     for k in whole_run:
         assert torch.equal(exported[k], whole_run[k]), k
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_matches_one_process_and_resumes_on_plain_shards(tmp_path):
+    # 4 ranks as 2 replica groups of 2 shards; clipping is active, so a gradient norm that
+    # counted each shard once per replica would change the weights.
+    cfg = sharded_config(optimizer=SGD, max_steps=4, checkpoint_every=2)
+    one = train(tmp_path, "one", 1, cfg)
+    hybrid = train(tmp_path, "hybrid", 4, {**cfg, "parallel": {"mode": "sharded", "replicas": 2}})
+    assert_same_weights(hybrid, one)
+    log = [json.loads(x) for x in (tmp_path / "hybrid" / "metrics.jsonl").open()]
+    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").open()]
+    for a, b in zip(log, ref, strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
+    # The checkpoint the replica groups wrote resumes on 2 ranks without replicas.
+    ckpt = tmp_path / "hybrid" / "checkpoints" / "step_00000002"
+    assert_same_weights(resume(tmp_path, "on2", 2, cfg, ckpt), one)
+
+
+def test_replicas_must_divide_the_ranks_and_need_sharded_mode():
+    from astrai.config import ConfigError, train_config
+
+    with pytest.raises(ConfigError, match=re.escape("parallel.replicas applies to mode 'sharded'")):
+        train_config(tiny_config(parallel={"replicas": 2}), "run.toml")
+    with pytest.raises(ConfigError, match=re.escape("parallel.replicas must be at least 1")):
+        train_config(sharded_config(parallel={"mode": "sharded", "replicas": 0}), "run.toml")
 
 
 @pytest.mark.slow
