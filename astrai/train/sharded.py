@@ -3,10 +3,11 @@ gradient and optimizer moment, and a weight is gathered whole only while the mod
 
 The params stay a flat dict, now of DTensors sharded along dim 0 over a device mesh
 (`shard_params`): one dimension of shards, or with `replicas` > 1 (hybrid sharding, HSDP) a
-second dimension across which each shard is replicated. `gathered(params)` is a read-only mapping the pure `forward` takes in
-place of the dict: reading a key all-gathers that tensor (`redistribute` to `Replicate`), and
-its gradient flows back as a `Partial` sum that DTensor's autograd reduce-scatters onto the
-shard. This is torchtitan's SimpleFSDP: the collectives are DTensor's, the model code is ours.
+second dimension across which each shard is replicated. `gathered(params)` is a read-only
+mapping the pure `forward` takes in place of the dict: reading a key all-gathers that tensor
+(`redistribute` to `Replicate`), and its gradient flows back as a `Partial` sum that DTensor's
+autograd reduce-scatters onto the shard. This is torchtitan's SimpleFSDP: the collectives are
+DTensor's, the model code is ours.
 
 Layers run under activation checkpointing in this mode, so a layer's gathered weights are
 dropped when its forward ends and gathered again when its backward recomputes it: at any
