@@ -104,3 +104,28 @@ def test_sampling_params_validate():
         sampling_params(temperture=0.5)
     with pytest.raises(ValueError, match="max_tokens"):
         sampling_params(max_tokens="many")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    blocks=st.sampled_from([1, 8, 9, 250]),
+    extra=st.sampled_from([0, 0, 37]),
+    ties=st.integers(0, 3),
+    special=st.sampled_from([None, float("-inf"), float("inf"), float("nan")]),
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_rows_is_argmax(rows, blocks, extra, ties, special, seed):
+    # the blocked argmax greedy decoding uses: the same first index as torch.argmax, also with
+    # tied maxima, rows of -inf, inf and NaN, and vocabularies it hands back to argmax
+    from astrai.infer.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = blocks * 128 + extra
+    logits = torch.randn(rows, vocab, generator=g).round(decimals=1)  # rounding makes ties
+    for _ in range(ties):
+        logits[:, int(torch.randint(vocab, (), generator=g))] = logits.max() + 1
+    if special is not None:
+        logits[0, int(torch.randint(vocab, (), generator=g))] = special
+        logits[-1] = float("-inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
