@@ -1,8 +1,9 @@
 """Run under torchrun: one sharded AdamW step of a tiny model, measuring what each rank holds.
 
-Appends one JSON line per rank to the file given (a second argument: parallel.replicas): the bytes of this rank's params, gradients
-and optimizer moments, the whole (unsharded) total, and the most gathered weight bytes alive at
-once during the step (every gather is counted until the tensor is freed).
+Appends one JSON line per rank to the file given (a second argument sets parallel.replicas):
+the bytes of this rank's params, gradients and optimizer moments, the whole (unsharded) total,
+and the most gathered weight bytes alive at once during the step (every gather is counted until
+the tensor is freed).
 """
 
 from __future__ import annotations

@@ -50,6 +50,11 @@ def sharded_config(**overrides) -> dict:
     return tiny_config(**{**defaults, **overrides})
 
 
+def logged(run_dir) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+
+
 def train(tmp_path, name: str, nproc: int, cfg: dict):
     toml = write_toml(tmp_path / f"{name}.toml", {**cfg, "out_dir": name})
     if nproc == 1:
@@ -89,10 +94,7 @@ def test_sharded_ranks_match_one_process(tmp_path, optimizer):
             flat = torch.cat([(many[k] - one[k]).abs().flatten() for k in one])
             assert (flat > tolerance(torch.float32, 1000)).float().mean() < 0.01
     # The logged losses and gradient norms agree as well.
-    log = [
-        json.loads(x) for x in (tmp_path / "sharded2" / "metrics.jsonl").read_text().splitlines()
-    ]
-    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    log, ref = logged(tmp_path / "sharded2"), logged(tmp_path / "one")
     for a, b in zip(log, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.float32, 100))
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
@@ -111,8 +113,7 @@ def test_sharded_bf16_matches_one_process_in_bf16(tmp_path):
     apart = torch.cat([(two[k] - one[k]).flatten() for k in one])
     print("relative difference of the steps:", (apart.norm() / moved.norm()).item())
     assert apart.norm() <= tolerance(torch.bfloat16, 4) * moved.norm()
-    log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").open()]
-    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").open()]
+    log, ref = logged(tmp_path / "two"), logged(tmp_path / "one")
     for a, b in zip(log, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.bfloat16, 4))
 
@@ -164,7 +165,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     assert_same_weights(resume(tmp_path, "on1", 1, cfg, ckpt), whole_run)
     assert_same_weights(resume(tmp_path, "on4", 4, cfg, ckpt), whole_run)
     # The resumed runs continued from step 4, not from scratch.
-    steps = [json.loads(x)["step"] for x in (tmp_path / "on4" / "metrics.jsonl").open()]
+    steps = [r["step"] for r in logged(tmp_path / "on4")]
     assert steps == [5, 6]
     # The sharded checkpoint exports to a model folder: the numbers the run's export gathered.
     out = tmp_path / "exported"
@@ -185,8 +186,7 @@ def test_hybrid_sharding_matches_one_process_and_resumes_on_plain_shards(tmp_pat
     one = train(tmp_path, "one", 1, cfg)
     hybrid = train(tmp_path, "hybrid", 4, {**cfg, "parallel": {"mode": "sharded", "replicas": 2}})
     assert_same_weights(hybrid, one)
-    log = [json.loads(x) for x in (tmp_path / "hybrid" / "metrics.jsonl").open()]
-    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").open()]
+    log, ref = logged(tmp_path / "hybrid"), logged(tmp_path / "one")
     for a, b in zip(log, ref, strict=True):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
     # The checkpoint the replica groups wrote resumes on 2 ranks without replicas.
@@ -194,7 +194,7 @@ def test_hybrid_sharding_matches_one_process_and_resumes_on_plain_shards(tmp_pat
     assert_same_weights(resume(tmp_path, "on2", 2, cfg, ckpt), one)
 
 
-def test_replicas_must_divide_the_ranks_and_need_sharded_mode():
+def test_replicas_need_sharded_mode_and_a_positive_count():
     from astrai.config import ConfigError, train_config
 
     with pytest.raises(ConfigError, match=re.escape("parallel.replicas applies to mode 'sharded'")):
@@ -241,7 +241,7 @@ def test_run_with_a_killed_rank_resumes_from_the_last_sharded_checkpoint(tmp_pat
     done = torchrun(2, TRAIN, str(toml))  # resumes from the latest checkpoint
     assert done.returncode == 0, done.stderr[-4000:]
     assert not partial.exists()  # removed on start
-    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").open()]
+    steps = [r["step"] for r in logged(tmp_path / "killed")]
     assert steps == list(range(1, 9))  # 1-4 before the kill, 5-8 after the resume
     assert_same_weights(load_pretrained(tmp_path / "killed" / "model")[0], uninterrupted)
 
