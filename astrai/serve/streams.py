@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from asyncio import ensure_future
 from typing import Any
 
 import anyio
@@ -32,7 +33,10 @@ class Choices:
 
     def __init__(self, streams: dict, firsts: dict, metrics: Metrics, since: float):
         self.streams, self.metrics, self.since = streams, metrics, since
-        self.pending = {asyncio.ensure_future(anext(s)): i for i, s in streams.items()}
+        # One choice is read straight from its stream: a task and a wait per token would cost
+        # the event loop more than the rest of the token's way to the socket.
+        self.only = next(iter(streams.items())) if len(streams) == 1 else None
+        self.pending = {} if self.only else {ensure_future(anext(s)): i for i, s in streams.items()}
         self.ready: list[tuple[int, Event]] = sorted(firsts.items())
         self.last_token: dict[int, float] = {}
 
@@ -40,6 +44,9 @@ class Choices:
         return self
 
     async def __anext__(self) -> tuple[int, Event]:
+        if self.only and not self.ready:
+            i, stream = self.only
+            self.ready.append((i, await anext(stream)))
         while not self.ready:
             if not self.pending:
                 raise StopAsyncIteration
@@ -48,7 +55,7 @@ class Choices:
                 i = self.pending.pop(task)
                 with contextlib.suppress(StopAsyncIteration):
                     self.ready.append((i, task.result()))
-                    self.pending[asyncio.ensure_future(anext(self.streams[i]))] = i
+                    self.pending[ensure_future(anext(self.streams[i]))] = i
         i, event = self.ready.pop(0)
         self._measure(i, event)
         return i, event
