@@ -112,9 +112,12 @@ def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
 
     On CPU, torch's argmax over a 32k vocabulary is ~15x slower than its vectorised max (0.9
     against 0.05 ms for 64 rows here), so the max of each block of `block` logits is taken
-    first, then the first block holding the row's maximum, then the first index inside it."""
+    first, then the first block holding the row's maximum, then the first index inside it.
+    Below 8 rows the one pass of argmax costs less than the blocks' six small ops do, right
+    after the head's product has pushed everything else out of the caches (measured in a decode
+    step: 24 against 30-60 us for one row, 105 against 86 us for 8)."""
     B, V = logits.shape
-    if logits.device.type != "cpu" or V % block or block * 8 > V:
+    if logits.device.type != "cpu" or B < 8 or V % block or block * 8 > V:
         return logits.argmax(-1)
     blocks = logits.view(B, V // block, block)
     first = blocks.amax(-1).argmax(-1)

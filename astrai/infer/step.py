@@ -326,7 +326,9 @@ def _run_model(
         rows += [plan.prefill[i][0] for i in done]
         logits.append(out[done])
     state.sched = advance(s, plan)
-    return state, rows, torch.cat(logits) if rows else None
+    if not rows:
+        return state, rows, None
+    return state, rows, logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
 def _flush(seq: Sequence) -> str:
