@@ -11,6 +11,7 @@ from collections import Counter
 
 import torch
 
+from astrai.infer.allocator import keep_freed_memory
 from astrai.infer.packed import DTYPES, pack
 from astrai.infer.quant import TUNE_ROWS, int8_matrix
 from astrai.model.layers import FUSED, project
@@ -147,9 +148,13 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     measured here). The embedding and the norms keep their dtype and layout. With tied
     embeddings a head laid out otherwise is a copy of its own, so the embedding lookup keeps
     reading whole rows.
+
+    Inference also wants the process's C allocator to keep freed temporaries for reuse, so
+    this turns that on once per process (astrai.infer.allocator.keep_freed_memory).
     """
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
+    keep_freed_memory()
     params = fuse_projections(params)
     if "lm_head.weight" not in params and EMBED_KEY in params:
         params["lm_head.weight"] = params[EMBED_KEY]  # laid out (a copy) as a matrix below
