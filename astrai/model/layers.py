@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from astrai.model.products_attention import MAX_SCORES, attend_by_products, products_win
+
 Params = dict[str, torch.Tensor]
 
 
@@ -76,6 +78,13 @@ def attend(
     (True = may attend) or None for plain causal / full attention over T == S."""
     B, H, T, D = q.shape
     groups = H // k.shape[1]
+    if (
+        mask is not None
+        and T > 1
+        and B * H * T * k.shape[2] <= MAX_SCORES
+        and products_win(q.dtype, q.device.type, k.shape[1], groups, D)
+    ):
+        return attend_by_products(q, k, v, mask, scale)  # prompt chunks (paged prefill)
     if groups == 1:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale

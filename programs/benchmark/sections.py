@@ -281,7 +281,7 @@ def prefill(b: Bench) -> None:
         ("forward", "ref_forward", f"forward, {batch} x {length}, all logits"),
         ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
     ]
-    _reference_rows(b, "prefill", rates, pairs, "tok/s")
+    _reference_rows(b, "prefill", rates, pairs, "tok/s", {"prefill": 1.0})
     peer_rows(b, "prefill", rates, "prefill", f"paged prefill, {batch} x {length}, last logits")
 
 

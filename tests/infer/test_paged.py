@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from infer_models import CONFIGS, make_model
-from numerics import assert_close, forward_roundings
+from numerics import assert_close, forward_roundings, tolerance
 
 import astrai as ai
 from astrai.infer import (
@@ -18,8 +18,17 @@ from astrai.infer import (
     prepare_params,
 )
 from astrai.infer.prepare import LAYOUTS
+from astrai.model import layers
 
 PAGE_SIZE = 4
+
+
+@pytest.fixture(params=["fused", "products"], autouse=True)
+def attention(request, monkeypatch):
+    """Every test here runs with prompt chunks attended by each path, whichever one this
+    machine measures faster (astrai/model/products_attention.py)."""
+    monkeypatch.setattr(layers, "products_win", lambda *shape: request.param == "products")
+    return request.param
 
 
 def shuffled_table(pool, rows: int, width: int, seed: int = 0):
@@ -41,6 +50,26 @@ def test_prefill_then_decode_matches_forward(kind):
     for t in range(9, 14):
         logits, pool = decode_step(params, cfg, pool, tokens[:, t], torch.tensor([t]), table)
         assert_close(logits, full[:, t], forward_roundings(cfg, 14))
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_prefill_then_decode_matches_forward_in_bf16(kind):
+    # Attention by products holds the scores and the probabilities in bf16 (a rounding each),
+    # the fused kernels hold them in float32: a few bf16 roundings a layer apart, like the
+    # weight layouts below.
+    params, cfg = make_model(kind)
+    params = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
+    full = ai.forward(params, cfg, tokens)
+    pool = init_pages(cfg, 16, PAGE_SIZE, torch.bfloat16)
+    pool, table = shuffled_table(pool, 2, 4)
+    logits, pool = prefill(params, cfg, pool, tokens[:, :9], table, 0)
+    # prefill and decode_step hand back float32 logits of bf16 computations
+    close = tolerance(8 * cfg.num_hidden_layers, torch.bfloat16, full.abs().max().item())
+    torch.testing.assert_close(logits, full[:, 8].float(), **close)
+    for t in range(9, 14):
+        logits, pool = decode_step(params, cfg, pool, tokens[:, t], torch.tensor([t, t]), table)
+        torch.testing.assert_close(logits, full[:, t].float(), **close)
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
