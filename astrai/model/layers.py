@@ -78,13 +78,14 @@ def attend(
     (True = may attend) or None for plain causal / full attention over T == S."""
     B, H, T, D = q.shape
     groups = H // k.shape[1]
-    if (
+    if (  # prompt chunks in inference (paged prefill); the choice timed forward passes only
         mask is not None
         and T > 1
+        and not torch.is_grad_enabled()
         and B * H * T * k.shape[2] <= MAX_SCORES
         and products_win(q.dtype, q.device.type, k.shape[1], groups, D)
     ):
-        return attend_by_products(q, k, v, mask, scale)  # prompt chunks (paged prefill)
+        return attend_by_products(q, k, v, mask, scale)
     if groups == 1:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale

@@ -26,9 +26,11 @@ PAGE_SIZE = 4
 @pytest.fixture(params=["fused", "products"], autouse=True)
 def attention(request, monkeypatch):
     """Every test here runs with prompt chunks attended by each path, whichever one this
-    machine measures faster (astrai/model/products_attention.py)."""
+    machine measures faster (astrai/model/products_attention.py), without gradients as the
+    Engine runs them."""
     monkeypatch.setattr(layers, "products_win", lambda *shape: request.param == "products")
-    return request.param
+    with torch.no_grad():
+        yield request.param
 
 
 def shuffled_table(pool, rows: int, width: int, seed: int = 0):
