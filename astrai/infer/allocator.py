@@ -10,6 +10,10 @@ Decoding, whose temporaries are small, faulted no page either way.
 
 The price is memory: up to 1 GiB freed by the process stays with it, to be reused. Blocks above
 32 MiB are still mapped and unmapped each time (glibc allows no higher threshold).
+
+prepare_params turns this on once the prepared weights are allocated: bf16 weights allocated
+after it (from the heap rather than in pages of their own) decoded 3-7% slower in two
+interleaved runs of the small model, and the same placed before it decoded as fast as without.
 """
 
 from __future__ import annotations

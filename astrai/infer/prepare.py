@@ -150,21 +150,23 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     reading whole rows.
 
     Inference also wants the process's C allocator to keep freed temporaries for reuse, so
-    this turns that on once per process (astrai.infer.allocator.keep_freed_memory).
+    this turns that on once per process, after the weights are placed
+    (astrai.infer.allocator.keep_freed_memory).
     """
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
-    keep_freed_memory()
     params = fuse_projections(params)
     if "lm_head.weight" not in params and EMBED_KEY in params:
         params["lm_head.weight"] = params[EMBED_KEY]  # laid out (a copy) as a matrix below
     matrices = {key: w for key, w in params.items() if _is_matrix(key, w)}
     if quantize == "int8":
-        return params | {key: int8_matrix(w) for key, w in matrices.items()}
-    layouts = _layouts(list(matrices.values()))
-    for key, w in matrices.items():
-        if _is_float_cpu(w):
-            params[key] = LAYOUTS[layouts[w.shape, w.dtype]](w)
+        params |= {key: int8_matrix(w) for key, w in matrices.items()}
+    else:
+        layouts = _layouts(list(matrices.values()))
+        for key, w in matrices.items():
+            if _is_float_cpu(w):
+                params[key] = LAYOUTS[layouts[w.shape, w.dtype]](w)
+    keep_freed_memory()  # after the weights are placed: only the temporaries
     return params
 
 
