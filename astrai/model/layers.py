@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from astrai.model.products_attention import MAX_SCORES, attend_by_products, products_win
+from astrai.model.masked_attention import attend_masked
 
 Params = dict[str, torch.Tensor]
 
@@ -76,29 +76,12 @@ def attend(
 ) -> torch.Tensor:
     """Scaled dot-product attention. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask bool [B, 1, T, S]
     (True = may attend) or None for plain causal / full attention over T == S."""
-    B, H, T, D = q.shape
-    groups = H // k.shape[1]
-    if (  # prompt chunks in inference (paged prefill); the choice timed forward passes only
-        mask is not None
-        and T > 1
-        and not torch.is_grad_enabled()
-        and B * H * T * k.shape[2] <= MAX_SCORES
-        and products_win(q.dtype, q.device.type, k.shape[1], groups, D)
-    ):
-        return attend_by_products(q, k, v, mask, scale)
+    if mask is not None:  # cached and paged inference, packed documents in training
+        return attend_masked(q, k, v, mask, scale)
+    groups = q.shape[1] // k.shape[1]
     if groups == 1:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale
-        )
-    if mask is None:
-        # Square causal attention (training): repeating K/V keeps SDPA's fused causal kernel.
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    # Grouped-query attention with an explicit mask (cached and paged decoding): the query heads
-    # that share a K/V head become extra query rows, so stored K/V are read once per K/V head
-    # instead of being copied for every query head (the copy dominated batched decoding).
-    q = q.reshape(B, k.shape[1], groups * T, D)
-    rows_mask = mask if T == 1 else mask.repeat(1, 1, groups, 1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=rows_mask, scale=scale)
-    return o.view(B, H, T, -1)
+    # Square causal attention (training): repeating K/V keeps SDPA's fused causal kernel.
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)

@@ -18,7 +18,7 @@ from astrai.infer import (
     prepare_params,
 )
 from astrai.infer.prepare import LAYOUTS
-from astrai.model import layers
+from astrai.model import masked_attention
 
 PAGE_SIZE = 4
 
@@ -26,9 +26,11 @@ PAGE_SIZE = 4
 @pytest.fixture(params=["fused", "products"], autouse=True)
 def attention(request, monkeypatch):
     """Every test here runs with prompt chunks attended by each path, whichever one this
-    machine measures faster (astrai/model/products_attention.py), without gradients as the
+    machine measures faster (astrai/model/masked_attention.py), without gradients as the
     Engine runs them."""
-    monkeypatch.setattr(layers, "products_win", lambda *shape: request.param == "products")
+    monkeypatch.setattr(
+        masked_attention, "products_win", lambda *shape: request.param == "products"
+    )
     with torch.no_grad():
         yield request.param
 

@@ -1,4 +1,6 @@
-"""Masked attention over prompt chunks as two batched matrix products and a softmax.
+"""Attention with an explicit mask (cached and paged inference, packed documents): torch's
+fused kernel over the query heads of each K/V head stacked as rows, or, for prompt chunks, two
+batched matrix products and a softmax, whichever measures faster here.
 
 torch's fused CPU attention kernel (the flash kernel SDPA takes on a CPU) computed a bf16 paged
 prefill of 4 x 512 tokens of the small benchmark model at ~150 GFLOP/s on AMD Zen 4: 14-16 ms
@@ -6,10 +8,11 @@ a layer, 43% of the prefill, mask or is_causal alike. The same attention as prod
 two products at ~900 GFLOP/s (oneDNN's bf16 kernels): 7.9 against 16.6 ms, and 2-2.5x faster
 from 256 to 4,096 query rows over 256 to 2,048 keys. In float32 the fused kernel was as fast
 or up to 2.3x faster. Which wins is measured on the running machine, once per dtype and head
-shape (`products_win`).
+shape (`products_win`). One query row (a decode step) keeps the fused kernel: products measured
+faster in isolation at 64 rows and no faster in a decode step.
 
-The scores are held in the inputs' dtype, as Hugging Face's eager attention holds them; the
-softmax accumulates in float32 either way.
+The products hold the scores in the inputs' dtype, as Hugging Face's eager attention holds
+them; the softmax accumulates in float32 either way.
 """
 
 from __future__ import annotations
@@ -43,13 +46,35 @@ def attend_by_products(
     return torch.matmul(scores.softmax(-1), v).view(B, H, T, -1)
 
 
-def _fused(q, k, v, mask, scale):
-    groups = q.shape[1] // k.shape[1]
-    rows = q.reshape(q.shape[0], k.shape[1], groups * q.shape[2], q.shape[3])
-    o = F.scaled_dot_product_attention(
-        rows, k, v, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale
-    )
-    return o.view(q.shape[0], q.shape[1], q.shape[2], -1)
+def attend_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """The same through torch's fused kernel. The query heads that share a K/V head become
+    extra query rows, so stored K/V are read once per K/V head instead of being copied for
+    every query head (the copy dominated batched decoding)."""
+    B, H, T, D = q.shape
+    groups = H // k.shape[1]
+    rows = q.reshape(B, k.shape[1], groups * T, D)
+    rows_mask = mask if T == 1 or groups == 1 else mask.repeat(1, 1, groups, 1)
+    o = F.scaled_dot_product_attention(rows, k, v, attn_mask=rows_mask, scale=scale)
+    return o.view(B, H, T, -1)
+
+
+def attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v by the faster path here: the products for prompt chunks
+    in inference (the choice timed forward passes only) whose scores fit MAX_SCORES, the fused
+    kernel otherwise."""
+    B, H, T, D = q.shape
+    if (
+        T > 1
+        and not torch.is_grad_enabled()
+        and B * H * T * k.shape[2] <= MAX_SCORES
+        and products_win(q.dtype, q.device.type, k.shape[1], H // k.shape[1], D)
+    ):
+        return attend_by_products(q, k, v, mask, scale)
+    return attend_fused(q, k, v, mask, scale)
 
 
 def _best_of_three(fn, *args, give_up: float = float("inf")) -> float:
@@ -83,7 +108,7 @@ def products_win(
     q = torch.randn(1, heads * groups, T, head_dim).to(dtype)
     k, v = (torch.randn(1, heads, S, head_dim).to(dtype) for _ in range(2))
     mask = (torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None])[None, None]
-    fused = _best_of_three(_fused, q, k, v, mask, None)
+    fused = _best_of_three(attend_fused, q, k, v, mask, None)
     products = _best_of_three(attend_by_products, q, k, v, mask, None, give_up=4 * fused)
     log.info(
         "%s attention, %d-token chunk over %d keys (%d x %d heads of %d): products %.2f ms, "
