@@ -105,8 +105,9 @@ def products_win(
     if device_type != "cpu":
         return False
     T, S = 256, 1024
-    q = torch.randn(1, heads * groups, T, head_dim).to(dtype)
-    k, v = (torch.randn(1, heads, S, head_dim).to(dtype) for _ in range(2))
+    g = torch.Generator().manual_seed(0)  # the global generator's stream stays the caller's
+    q = torch.randn(1, heads * groups, T, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(1, heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
     mask = (torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None])[None, None]
     fused = _best_of_three(attend_fused, q, k, v, mask, None)
     products = _best_of_three(attend_by_products, q, k, v, mask, None, give_up=4 * fused)
