@@ -63,16 +63,10 @@ class Bench:
         self.log(text)
 
     def measure(
-        self,
-        calls: dict[str, Callable],
-        inputs: list,
-        units: float,
-        outputs=None,
-        warm_up=True,
-        rounds: int | None = None,
+        self, calls: dict[str, Callable], inputs: list, units: float, outputs=None, warm_up=True
     ) -> dict[str, list[float]]:
         """Warm every call up on inputs[0], then time each on inputs[r + 1] in interleaved
-        rounds (the workload's, unless given) -> {name: [units/s per round]}. outputs, when
+        rounds, one per input after the first -> {name: [units/s per round]}. outputs, when
         given, collects what the calls return as outputs[name][round]."""
         for call in calls.values() if warm_up else ():
             call(inputs[0])  # first calls pay for thread pools and allocator growth
@@ -86,9 +80,7 @@ class Bench:
 
             return run
 
-        return interleave(
-            {name: side(name, call) for name, call in calls.items()}, rounds or self.work.rounds
-        )
+        return interleave({name: side(name, call) for name, call in calls.items()}, len(inputs) - 1)
 
 
 def engine_of(b: Bench):
@@ -464,8 +456,7 @@ def isolated(b: Bench) -> None:
     threads = torch.get_num_threads()
     # a stream of one request is short, and a small machine's speed drifts by more than the
     # target's 5 % between rounds: three times the workload's rounds
-    rounds = 3 * b.work.rounds
-    prompts = b.prompts(rounds + 1, seed=11)
+    prompts = b.prompts(3 * b.work.rounds + 1, seed=11)
     if not (b.folder / "tokenizer.json").exists():  # just serve reads it from the folder
         b.tokenizer.save_pretrained(b.folder)
     with (
@@ -476,7 +467,7 @@ def isolated(b: Bench) -> None:
             "serve": lambda p: stream_load(url, [p], n),
             "loop": lambda p: generate["loop"]([p], n)[0],
         }
-        rates = b.measure(calls, prompts, n, rounds=rounds)
+        rates = b.measure(calls, prompts, n)
     label = "just serve process, 1 streaming client vs the loop in a clean process"
     b.rows.append(compare("isolated", label, "tok/s", rates["serve"], rates["loop"], "loop", 0.95))
 
