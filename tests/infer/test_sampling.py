@@ -129,3 +129,39 @@ def test_argmax_rows_is_argmax(rows, blocks, extra, ties, special, seed):
         logits[0, int(torch.randint(vocab, (), generator=g))] = special
         logits[-1] = float("-inf")
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+
+
+GREEDY_ROWS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, presence_penalty=2.0),
+    SamplingParams(temperature=0.0, logit_bias={4: 10.0}),
+    SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+]
+
+
+@pytest.mark.parametrize("others", [[], [1], [2], [3], [1, 2, 3]])
+def test_greedy_requests_take_what_sample_gives(others):
+    # plain greedy rows skip sample()'s stages; next to rows that need them, every row goes
+    # through sample(): each row's token is what sample gives it alone
+    from astrai.infer.sampling import sample_requests
+
+    settings_ = [GREEDY_ROWS[0], *(GREEDY_ROWS[i] for i in others)]
+    logits = torch.tensor([[0.5, 0.5, 1.0, 0.5, 0.5]]).repeat(len(settings_), 1)
+    histories = [[2, 2]] * len(settings_)
+    out = sample_requests(logits, settings_, [None] * len(settings_), histories)
+    for row, (sp, (token, logprob)) in enumerate(zip(settings_, out)):
+        bias = torch.zeros(1, 5)
+        for t, value in (sp.logit_bias or {}).items():
+            bias[0, t] = value
+        alone = sample(
+            logits[row : row + 1],
+            temperature=0.0,
+            presence_penalty=sp.presence_penalty,
+            recent_tokens=torch.tensor([histories[row]]),
+            logit_bias=bias,
+        )
+        assert token == int(alone)
+        assert (logprob is not None) == sp.logprobs
+    allowed = torch.tensor([[True, False, False, True, False]]).repeat(len(settings_), 1)
+    out = sample_requests(logits, settings_, [None] * len(settings_), histories, allowed)
+    assert out[0][0] == 0  # the grammar's mask is applied to plain greedy rows as well
