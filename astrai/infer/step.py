@@ -307,9 +307,16 @@ def _run_model(
     s, cfg, device = state.sched, state.cfg, torch.device(state.config.device)
     rows, logits = [], []
     if plan.decode:
-        tokens = torch.tensor([seq.tokens[-1] for seq in plan.decode], device=device)
-        positions = torch.tensor([seq.computed for seq in plan.decode], device=device)
-        table = _page_table(plan.decode)
+        # one tensor made from Python lists instead of three: [token, position, pages...]
+        width = max(len(seq.pages) for seq in plan.decode)
+        rows_in = torch.tensor(
+            [
+                [seq.tokens[-1], seq.computed, *seq.pages, *[0] * (width - len(seq.pages))]
+                for seq in plan.decode
+            ],
+            device=device,
+        )
+        tokens, positions, table = rows_in.select(1, 0), rows_in.select(1, 1), rows_in[:, 2:]
         out, s.pool = decode_step(params, cfg, s.pool, tokens, positions, table)
         rows += plan.decode
         logits.append(out)
