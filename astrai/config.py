@@ -861,10 +861,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (the embedding and the norms keep `dtype`). Which int8 product runs (weight-only, or with
     activations quantized on the fly) is measured per shape at load and logged. Not set: the
     weights stay in `dtype`."""
+    stream_interval_ms: float = 20.0
+    """How often at most a request's reader is handed new tokens (`Engine.stream`, `astream`,
+    every stream of `just serve`): tokens that come sooner wait, at most this long, and go out
+    together; a request's first token and its end go out at once. Each hand-over wakes the
+    reader's thread, which on a machine with few cores takes CPU from the compute: at 20 ms, a
+    stream decoding 200 tokens a second is woken 50 times a second instead of 200. 0: every
+    step."""
 
     def __post_init__(self) -> None:
         _require_positive(self, "page_size", "max_batch", "prefill_chunk")
-        _require_non_negative(self, "max_waiting")
+        _require_non_negative(self, "max_waiting", "stream_interval_ms")
         for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")

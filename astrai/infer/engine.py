@@ -41,7 +41,6 @@ from astrai.infer.step import (
     params_for,
 )
 
-Sink = Callable[[StreamEvent], None]
 Params = dict[str, torch.Tensor]
 THREAD_NAME = "astrai-engine"
 
@@ -54,6 +53,38 @@ def name_native_thread(name: str) -> None:
 
         libc = ctypes.CDLL(None)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+@dataclass(eq=False)
+class Sink:
+    """Where a caller's events go: `put(event)`, called on the engine thread, or with `loop`
+    set, on that asyncio loop's thread."""
+
+    put: Callable[[StreamEvent], None]
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+@dataclass(eq=False)
+class _Outbox:
+    """One request's events on their way to its sink."""
+
+    sink: Sink
+    held: list[StreamEvent] = field(default_factory=list)
+    sent_at: float | None = None  # when its events last went out; None: not yet
+
+    def due(self, now: float, interval: float) -> bool:
+        """Whether the held events go out now: the first and the last at once, the others
+        once `interval` has passed since the last went out."""
+        return bool(self.held) and (
+            self.sent_at is None
+            or self.held[-1].finish_reason is not None
+            or now - self.sent_at >= interval
+        )
+
+
+def _put_all(items: list[tuple[Callable, StreamEvent]]) -> None:
+    for put, event in items:
+        put(event)
 
 
 # The inbox's messages: one typed union, matched by class.
@@ -138,7 +169,7 @@ class Engine:
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._queued = 0  # submissions not yet seen by the engine thread
         self._lock = threading.Lock()
-        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._outboxes: dict[str, _Outbox] = {}  # engine thread only
         self._results: dict[str, queue.SimpleQueue] = {}
         self._counter = itertools.count()
         self._clock = Clock()
@@ -185,7 +216,7 @@ class Engine:
             raise TypeError("generate takes a list of prompts; use submit or stream for one")
         events: queue.SimpleQueue = queue.SimpleQueue()
         seqs = [self._sequence(p, sampling) for p in prompts]
-        self._send(seqs, events.put)  # one caller's work: checked against max_waiting once
+        self._send(seqs, Sink(events.put))  # one caller's work: checked against max_waiting once
         by_id: dict[str, list[StreamEvent]] = {seq.id: [] for seq in seqs}
         remaining = len(seqs)
         while remaining:
@@ -199,7 +230,7 @@ class Engine:
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = self._sequence(prompt, sampling)
         self._results[seq.id] = events
-        self._send([seq], events.put)
+        self._send([seq], Sink(events.put))
         return seq.id
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
@@ -224,7 +255,7 @@ class Engine:
         """Submit now; iterate the request's events. Leaving the loop early cancels it."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = self._sequence(prompt, sampling)
-        self._send([seq], events.put)
+        self._send([seq], Sink(events.put))
         return Events(events, lambda: self.cancel(seq.id))
 
     def astream(self, prompt: str | list[int], **sampling) -> Events:
@@ -233,7 +264,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         seq = self._sequence(prompt, sampling)
-        self._send([seq], lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        self._send([seq], Sink(events.put_nowait, loop))
         return Events(events, lambda: self.cancel(seq.id))
 
     def cancel(self, request_id: str) -> None:
@@ -353,7 +384,7 @@ class Engine:
                 with self._lock:
                     self._queued -= len(seqs)
                 for seq in seqs:
-                    self._sinks[seq.id] = sink
+                    self._outboxes[seq.id] = _Outbox(sink)
                     self._state = enqueue(self._state, seq)
             case Cancel(request_id):
                 self._state = cancel_request(self._state, request_id)
@@ -394,14 +425,32 @@ class Engine:
         self._dispatch(events)
 
     def _dispatch(self, events: list[StreamEvent]) -> None:
+        """Hand the events to their sinks, an event loop's all in one wake-up of that loop.
+        Events that come within `stream_interval_ms` of a request's last ones are held (see
+        EngineConfig): waking a reader costs CPU that on a small machine is the compute's."""
         for event in events:
-            sink = self._sinks.get(event.request_id)
-            if event.finish_reason is not None:
-                self._sinks.pop(event.request_id, None)
-            # a reader that went away (e.g. a closed event loop) must not stop the engine
-            with contextlib.suppress(Exception):
-                if sink is not None:
-                    sink(event)
+            if (box := self._outboxes.get(event.request_id)) is not None:
+                box.held.append(event)
+        now, interval = time.monotonic(), self._state.config.stream_interval_ms / 1000
+        holding = [box for box in self._outboxes.values() if box.held]
+        woken = {box.sink.loop for box in holding if box.due(now, interval)} - {None}
+        # a loop woken anyway takes every event held for it
+        due = [box for box in holding if box.sink.loop in woken or box.due(now, interval)]
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for box in due:
+            out, box.held, box.sent_at = box.held, [], now
+            if out[-1].finish_reason is not None:
+                self._outboxes.pop(out[-1].request_id, None)
+            if box.sink.loop is not None:
+                by_loop.setdefault(box.sink.loop, []).extend((box.sink.put, e) for e in out)
+                continue
+            for event in out:
+                # a reader that went away must not stop the engine
+                with contextlib.suppress(Exception):
+                    box.sink.put(event)
+        for loop, items in by_loop.items():
+            with contextlib.suppress(Exception):  # e.g. a closed event loop
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _shut_down(self) -> None:
         """Abort every request, also those whose submission raced with close."""
@@ -413,7 +462,7 @@ class Engine:
             match message:
                 case Submit(seqs, sink):
                     for seq in seqs:
-                        self._sinks[seq.id] = sink
+                        self._outboxes[seq.id] = _Outbox(sink)
                         self._state = enqueue(self._state, seq)
                 case SwapParams(_, done) | Call(_, done):
                     message.error = RuntimeError("the engine is closed")

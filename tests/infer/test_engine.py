@@ -189,6 +189,48 @@ def test_cancelling_an_async_stream_frees_its_pages():
     assert complete[-1].finish_reason == "length" and complete[-1].usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize("interval_ms", [0, 60_000])
+def test_async_readers_are_woken_once_per_hand_over(interval_ms):
+    # every hand-over of events to a loop is one call_soon_threadsafe, carrying the events of
+    # all its streams; within the interval only first tokens and ends go out at once
+    params, cfg = make_model("gqa")
+    prompts = prompts_for(cfg, [3, 5, 4], seed=3)
+    wakes = []
+
+    async def main(engine):
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(callback, items, *args):
+            wakes.append([event for _, event in items])
+            return wake(callback, items, *args)
+
+        loop.call_soon_threadsafe = counted
+
+        async def read(prompt):
+            return [e async for e in engine.astream(prompt, max_tokens=6, **GREEDY)]
+
+        return await asyncio.gather(*(read(p) for p in prompts))
+
+    with Engine(params, cfg, None, page_size=4, stream_interval_ms=interval_ms) as engine:
+        streams = asyncio.run(main(engine))
+        expected = engine.generate(prompts, max_tokens=6, **GREEDY)
+    for events, out in zip(streams, expected):
+        assert [t for e in events for t in e.token_ids] == out.token_ids
+        assert events[-1].finish_reason == "length"
+    handed = sorted(id(e) for wake in wakes for e in wake)
+    assert handed == sorted(id(e) for events in streams for e in events)  # each once
+    if interval_ms == 0:  # every step hands over its tokens: 6 steps, 8 if they joined apart
+        assert 6 <= len(wakes) <= 8
+        return
+    firsts = {id(events[0]) for events in streams}
+    finals = {id(events[-1]) for events in streams}
+    # only a first token or an end wakes the loop (held tokens of its other streams go along)
+    assert all({id(e) for e in wake} & (firsts | finals) for wake in wakes)
+    assert not {id(e) for e in wakes[0]} & finals  # first tokens are not held
+    assert len(wakes) <= 6
+
+
 def tokenizer_model(tokenizer, seed=0):
     cfg = ai.ModelConfig(**{**BASE, "vocab_size": tokenizer.vocab_size})
     return ai.init_params(cfg, seed=seed), cfg
