@@ -166,7 +166,7 @@ class Engine:
         # with as many cores as one team's threads make every small op of a step sleep and
         # wake (measured ~2.3x slower decoding). So `params` may be a function that loads them.
         self.cfg, self.tokenizer = cfg, tokenizer
-        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: cheap to poll
         self._queued = 0  # submissions not yet seen by the engine thread
         self._lock = threading.Lock()
         self._outboxes: dict[str, _Outbox] = {}  # engine thread only
@@ -407,31 +407,33 @@ class Engine:
 
     def _step(self, news: bool) -> None:
         events: list[StreamEvent] = []
-        if has_work(self._state):
+        busy = has_work(self._state)
+        if busy:
             try:
                 self._state, events = engine_step(self._state, self._params)
             except Exception as exc:  # never let the thread die with callers waiting
                 self._state = end_all(self._state, "error", describe(exc))
                 self._state, events = engine_step(self._state, self._params)
-            tokens = sum(len(e.token_ids) for e in events)
-            self._clock.recent.append((time.monotonic(), tokens))
+        now = time.monotonic()
+        if busy:
+            self._clock.recent.append((now, sum(len(e.token_ids) for e in events)))
         finals = any(e.finish_reason is not None for e in events)
         # While busy, at most 20 snapshots a second (counting pages is not free); one after
         # new messages, so a snapshot never predates a request it does not show; one before
         # final events go out, so a caller who has its result never reads older stats.
-        stale = time.monotonic() - self._snapshot["at"] > 0.05
+        stale = now - self._snapshot["at"] > 0.05
         if news or finals or stale or not has_work(self._state):
             self._refresh_snapshot()
-        self._dispatch(events)
+        self._dispatch(events, now)
 
-    def _dispatch(self, events: list[StreamEvent]) -> None:
+    def _dispatch(self, events: list[StreamEvent], now: float) -> None:
         """Hand the events to their sinks, an event loop's all in one wake-up of that loop.
         Events that come within `stream_interval_ms` of a request's last ones are held (see
         EngineConfig): waking a reader costs CPU that on a small machine is the compute's."""
         for event in events:
             if (box := self._outboxes.get(event.request_id)) is not None:
                 box.held.append(event)
-        now, interval = time.monotonic(), self._state.config.stream_interval_ms / 1000
+        interval = self._state.config.stream_interval_ms / 1000
         holding = [box for box in self._outboxes.values() if box.held]
         woken = {box.sink.loop for box in holding if box.due(now, interval)} - {None}
         # a loop woken anyway takes every event held for it
@@ -470,7 +472,7 @@ class Engine:
         self._state = end_all(self._state, "abort")
         self._state, events = engine_step(self._state, self._params)
         self._refresh_snapshot()
-        self._dispatch(events)
+        self._dispatch(events, time.monotonic())
 
     def _refresh_snapshot(self) -> None:
         now = time.monotonic()
