@@ -861,6 +861,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (the embedding and the norms keep `dtype`). Which int8 product runs (weight-only, or with
     activations quantized on the fly) is measured per shape at load and logged. Not set: the
     weights stay in `dtype`."""
+    decode_run: int = 4
+    """Decode steps run back to back when a step only decodes and every request in it is
+    greedy (temperature 0, no penalties, bias, log-probs or grammar): each request gets up to
+    this many tokens from one engine step, and the scheduling, the stop checks and the
+    hand-over of events happen once per run instead of once per token. A request that ends
+    inside a run wastes the rest of its row's steps. The Engine runs one step at a time while
+    messages wait, and no more steps than fit in 20 ms by the last step's time, so a new
+    request or a cancel waits at most that long. 1: one token per step."""
     stream_interval_ms: float = 20.0
     """How often at most a request's reader is handed new tokens (`Engine.stream`, `astream`,
     every stream of `just serve`): tokens that come sooner wait, at most this long, and go out
@@ -870,7 +878,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step."""
 
     def __post_init__(self) -> None:
-        _require_positive(self, "page_size", "max_batch", "prefill_chunk")
+        _require_positive(self, "page_size", "max_batch", "prefill_chunk", "decode_run")
         _require_non_negative(self, "max_waiting", "stream_interval_ms")
         for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:

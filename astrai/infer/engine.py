@@ -43,6 +43,7 @@ from astrai.infer.step import (
 
 Params = dict[str, torch.Tensor]
 THREAD_NAME = "astrai-engine"
+RUN_SECONDS = 0.02  # the longest run of decode steps the Engine starts (see _run_length)
 
 
 def name_native_thread(name: str) -> None:
@@ -173,6 +174,7 @@ class Engine:
         self._results: dict[str, queue.SimpleQueue] = {}
         self._counter = itertools.count()
         self._clock = Clock()
+        self._step_seconds = 0.0  # the last engine step's time per model step
         self._closed = False
         started = _Started()
         self._thread = threading.Thread(
@@ -408,13 +410,16 @@ class Engine:
     def _step(self, news: bool) -> None:
         events: list[StreamEvent] = []
         busy = has_work(self._state)
+        started, steps = time.monotonic(), self._state.totals.steps
         if busy:
             try:
-                self._state, events = engine_step(self._state, self._params)
+                self._state, events = engine_step(self._state, self._params, self._run_length())
             except Exception as exc:  # never let the thread die with callers waiting
                 self._state = end_all(self._state, "error", describe(exc))
-                self._state, events = engine_step(self._state, self._params)
+                self._state, events = engine_step(self._state, self._params, 1)
         now = time.monotonic()
+        if (ran := self._state.totals.steps - steps) > 0:
+            self._step_seconds = (now - started) / ran
         if busy:
             self._clock.recent.append((now, sum(len(e.token_ids) for e in events)))
         finals = any(e.finish_reason is not None for e in events)
@@ -425,6 +430,15 @@ class Engine:
         if news or finals or stale or not has_work(self._state):
             self._refresh_snapshot()
         self._dispatch(events, now)
+
+    def _run_length(self) -> int:
+        """How many decode steps the next engine step may run back to back: one while messages
+        wait (a new request, a cancel), else up to `decode_run` that fit in RUN_SECONDS by the
+        last step's time, so a run never holds a new request back for long."""
+        if not self._inbox.empty():
+            return 1
+        fit = int(RUN_SECONDS / max(self._step_seconds, 1e-6))
+        return max(1, min(self._state.config.decode_run, fit))
 
     def _dispatch(self, events: list[StreamEvent], now: float) -> None:
         """Hand the events to their sinks, an event loop's all in one wake-up of that loop.

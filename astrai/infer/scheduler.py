@@ -226,6 +226,19 @@ def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
     return s, StepPlan(decode, prefill, preempted)
 
 
+def reserve_run(s: Scheduler, seqs: list[Sequence], steps: int) -> tuple[Scheduler, bool]:
+    """Pages for `steps` more tokens of each decoding sequence in seqs, taken from the free
+    pages only (no eviction, no preemption): for all of them, or for none and False."""
+    need = [pages_for(seq.computed + steps, s.page_size) - len(seq.pages) for seq in seqs]
+    if sum(need) > num_free_pages(s.pool):
+        return s, False
+    for seq, n in zip(seqs, need):
+        if n > 0:
+            s.pool, pages = alloc_pages(s.pool, n)
+            seq.pages += pages
+    return s, True
+
+
 def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> Scheduler:
     """Retire seq: offer its computed full pages to the prefix cache, then drop its pages."""
     if seq in s.running:

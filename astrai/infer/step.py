@@ -5,9 +5,10 @@
     state, events = engine_step(state, params)     # every request moves one step
 
 `engine_step` plans the step (admission, pages, preemption), runs chunked prefill and one
-decode token for the running sequences, samples, detokenizes, applies the stop conditions and
-returns one StreamEvent per request that produced something. Requests join (`add_request`) and
-leave (`cancel_request`) between steps. Nothing here reads a clock or waits: the same state and
+decode token for the running sequences (or, when every one of them decodes greedily, a run of
+a few decode steps), samples, detokenizes, applies the stop conditions and returns one
+StreamEvent per token produced or request finished. Requests join (`add_request`) and leave
+(`cancel_request`) between steps. Nothing here reads a clock or waits: the same state and
 weights give the same events.
 
 The state is donated to every function that takes it, JAX-style: the page pool and the
@@ -31,7 +32,7 @@ from astrai.infer.hardware import auto_dtype, describe_dtype_choice
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
 from astrai.infer.radix import num_cached_pages
-from astrai.infer.sampling import SamplingParams, sample_requests
+from astrai.infer.sampling import SamplingParams, argmax_rows, plain_greedy, sample_requests
 from astrai.infer.scheduler import (
     Scheduler,
     StepPlan,
@@ -41,6 +42,7 @@ from astrai.infer.scheduler import (
     finish_sequence,
     init_scheduler,
     plan_step,
+    reserve_run,
 )
 from astrai.infer.sequence import Sequence
 from astrai.infer.stops import scan_stops
@@ -300,6 +302,20 @@ def _page_table(seqs: list[Sequence]) -> torch.Tensor:
     return torch.tensor([seq.pages + [0] * (width - len(seq.pages)) for seq in seqs])
 
 
+def _decode_inputs(seqs: list[Sequence], device) -> tuple[torch.Tensor, ...]:
+    """The next token, its position and the page table of each decoding sequence, made from
+    one tensor of Python lists instead of three: [token, position, pages...] per row."""
+    width = max(len(seq.pages) for seq in seqs)
+    rows = torch.tensor(
+        [
+            [seq.tokens[-1], seq.computed, *seq.pages, *[0] * (width - len(seq.pages))]
+            for seq in seqs
+        ],
+        device=device,
+    )
+    return rows.select(1, 0), rows.select(1, 1), rows[:, 2:]
+
+
 def _run_model(
     state: EngineState, params: Params, plan: StepPlan
 ) -> tuple[EngineState, list[Sequence], torch.Tensor | None]:
@@ -307,16 +323,7 @@ def _run_model(
     s, cfg, device = state.sched, state.cfg, torch.device(state.config.device)
     rows, logits = [], []
     if plan.decode:
-        # one tensor made from Python lists instead of three: [token, position, pages...]
-        width = max(len(seq.pages) for seq in plan.decode)
-        rows_in = torch.tensor(
-            [
-                [seq.tokens[-1], seq.computed, *seq.pages, *[0] * (width - len(seq.pages))]
-                for seq in plan.decode
-            ],
-            device=device,
-        )
-        tokens, positions, table = rows_in.select(1, 0), rows_in.select(1, 1), rows_in[:, 2:]
+        tokens, positions, table = _decode_inputs(plan.decode, device)
         out, s.pool = decode_step(params, cfg, s.pool, tokens, positions, table)
         rows += plan.decode
         logits.append(out)
@@ -336,6 +343,37 @@ def _run_model(
     if not rows:
         return state, rows, None
     return state, rows, logits[0] if len(logits) == 1 else torch.cat(logits)
+
+
+def _run_length(plan: StepPlan, limit: int) -> int:
+    """How many decode steps the plan may run back to back, up to `limit` (see
+    EngineConfig.decode_run): 1 unless the step only decodes, every row already generates
+    (none feeds its prompt's last token) and takes the argmax of its raw logits, and none
+    would pass its max_tokens."""
+    if limit <= 1 or plan.prefill or not plan.decode:
+        return 1
+    for seq in plan.decode:
+        if seq.generated == 0 or seq.matcher is not None or not plain_greedy(seq.sampling):
+            return 1
+        limit = min(limit, seq.max_len - len(seq.tokens))
+    return max(limit, 1)
+
+
+def _decode_run(
+    state: EngineState, params: Params, seqs: list[Sequence], steps: int
+) -> tuple[EngineState, list[list[int]]]:
+    """`steps` greedy decode steps of seqs back to back, each feeding the last one's argmax,
+    with pages already reserved for them -> each row's tokens. Nothing is checked between
+    them: the caller takes the tokens one by one and drops those after a row's end."""
+    s, device = state.sched, torch.device(state.config.device)
+    tokens, positions, table = _decode_inputs(seqs, device)
+    sampled = []
+    for _ in range(steps):
+        logits, s.pool = decode_step(params, state.cfg, s.pool, tokens, positions, table)
+        tokens = argmax_rows(logits)
+        sampled.append(tokens)
+        positions = positions + 1
+    return state, torch.stack(sampled, 1).tolist()
 
 
 def _flush(seq: Sequence) -> str:
@@ -385,10 +423,14 @@ def _take_token(
     return _retire(state, seq, finish, event=event, stop_text=matched)
 
 
-def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[StreamEvent]]:
+def engine_step(
+    state: EngineState, params: Params, decode_run: int | None = None
+) -> tuple[EngineState, list[StreamEvent]]:
     """Advance every request by one scheduler step. Returns (state, events): one event per
-    request that produced a token or finished, final events of cancelled requests first.
+    token produced or request finished, final events of cancelled requests first.
 
+    A step that only decodes greedy rows may run up to `decode_run` decode steps back to back
+    (None: the config's; see EngineConfig.decode_run), giving each row that many tokens.
     params are the weights on the engine's device and dtype (see params_for; prepare_params
     lays them out for faster decoding). A failure of the model fails the requests of the step
     (finish_reason "error"); the others go on. The state is donated."""
@@ -403,6 +445,11 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
         return state, events
     if not plan.decode and not plan.prefill:
         return state, events
+    steps = _run_length(plan, state.config.decode_run if decode_run is None else decode_run)
+    if steps > 1:
+        state.sched, reserved = reserve_run(state.sched, plan.decode, steps)
+        if reserved:
+            return _take_run(state, params, plan.decode, steps, events)
     try:
         state, rows, logits = _run_model(state, params, plan)
         sampled = (
@@ -429,6 +476,32 @@ def engine_step(state: EngineState, params: Params) -> tuple[EngineState, list[S
         except Exception as exc:
             state, event = _retire(state, seq, "error", error=describe(exc))
         events.append(event)
+    return state, events
+
+
+def _take_run(
+    state: EngineState, params: Params, seqs: list[Sequence], steps: int, events: list
+) -> tuple[EngineState, list[StreamEvent]]:
+    """The decode run of engine_step: the model's steps, then each row's tokens in order up
+    to its end, as if they had come one step at a time."""
+    try:
+        state, runs = _decode_run(state, params, seqs, steps)
+    except Exception as exc:
+        for seq in seqs:
+            state, event = _retire(state, seq, "error", error=describe(exc))
+            events.append(event)
+        return state, events
+    state.totals.steps += steps
+    for seq, tokens in zip(seqs, runs):
+        for token in tokens:
+            seq.computed += 1  # the K/V of the token fed before this one
+            try:
+                state, event = _take_token(state, seq, token, None)
+            except Exception as exc:
+                state, event = _retire(state, seq, "error", error=describe(exc))
+            events.append(event)
+            if event.finish_reason is not None:
+                break
     return state, events
 
 

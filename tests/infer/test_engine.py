@@ -212,7 +212,8 @@ def test_async_readers_are_woken_once_per_hand_over(interval_ms):
 
         return await asyncio.gather(*(read(p) for p in prompts))
 
-    with Engine(params, cfg, None, page_size=4, stream_interval_ms=interval_ms) as engine:
+    settings = dict(page_size=4, stream_interval_ms=interval_ms, decode_run=1)
+    with Engine(params, cfg, None, **settings) as engine:
         streams = asyncio.run(main(engine))
         expected = engine.generate(prompts, max_tokens=6, **GREEDY)
     for events, out in zip(streams, expected):

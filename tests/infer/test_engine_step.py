@@ -131,3 +131,48 @@ def test_run_requests_completes_a_batch_as_recomputation_does():
     first, second = (ai.run_requests(s, params, sampled)[1] for s in fresh)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     assert engine_stats(fresh[0])["pages_used"] == 0
+
+
+def _events_by_request(params, cfg, requests, decode_run, num_pages=64):
+    """Every request through engine_step with decode runs of up to decode_run steps ->
+    ({id: [(token ids, finish_reason, usage)] per event}, engine_step calls, final state)."""
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=num_pages, max_batch=8)
+    for request in requests:
+        state = ai.add_request(state, request)
+    events: dict[str, list] = {r.id: [] for r in requests}
+    calls = 0
+    while state.sched.running or state.sched.waiting or state.outbox:
+        state, out = ai.engine_step(state, params, decode_run)
+        calls += 1
+        for e in out:
+            events[e.request_id].append((e.token_ids, e.finish_reason, e.usage))
+    return events, calls, state
+
+
+@pytest.mark.parametrize("decode_run", [2, 4, 7])
+def test_decode_runs_give_what_single_steps_give(decode_run):
+    # runs of greedy decode steps: the same events as one step at a time, also for a request
+    # that stops on a token inside a run, lengths that are no multiple of the run, a sampled
+    # request beside them (its steps run one at a time) and a pool too small for some runs
+    params, cfg = make_model("gqa")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 6, 9)]
+    stop_at = greedy_reference(params, cfg, prompts[1], 12)[6]
+
+    def greedy(n, **more):
+        return ai.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **more)
+
+    requests = [
+        ai.Request("a", prompts[0], greedy(13)),
+        ai.Request("b", prompts[1], greedy(12, stop_token_ids=[stop_at])),
+        ai.Request("c", prompts[2], greedy(10)),
+        ai.Request("s", prompts[2], ai.SamplingParams(max_tokens=3, temperature=0.9, seed=1)),
+    ]
+    for num_pages in (64, 12):
+        single, single_calls, _ = _events_by_request(params, cfg, requests, 1, num_pages)
+        runs, run_calls, state = _events_by_request(params, cfg, requests, decode_run, num_pages)
+        assert runs == single
+        assert run_calls < single_calls
+        assert single["b"][-1][1] == "stop"  # it stopped on the token, inside a run
+        assert engine_stats(state)["pages_used"] == 0
+        assert num_free_pages(state.sched.pool) + engine_stats(state)["pages_cached"] == num_pages
