@@ -862,8 +862,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     activations quantized on the fly) is measured per shape at load and logged. Not set: the
     weights stay in `dtype`."""
     decode_run: int = 4
-    """Decode steps run back to back when a step only decodes and every request in it is
-    greedy (temperature 0, no penalties, bias, log-probs or grammar): each request gets up to
+    """Decode steps run back to back when a step only decodes and every request in it samples
+    from its logits alone (no repetition, frequency or presence penalty, no log-probs, no
+    grammar): each request gets up to
     this many tokens from one engine step, and the scheduling, the stop checks and the
     hand-over of events happen once per run instead of once per token. A request that ends
     inside a run wastes the rest of its row's steps. The Engine runs one step at a time while

@@ -32,7 +32,7 @@ from astrai.infer.hardware import auto_dtype, describe_dtype_choice
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
 from astrai.infer.radix import num_cached_pages
-from astrai.infer.sampling import SamplingParams, argmax_rows, plain_greedy, sample_requests
+from astrai.infer.sampling import SamplingParams, sample_ids, sample_requests
 from astrai.infer.scheduler import (
     Scheduler,
     StepPlan,
@@ -348,12 +348,13 @@ def _run_model(
 def _run_length(plan: StepPlan, limit: int) -> int:
     """How many decode steps the plan may run back to back, up to `limit` (see
     EngineConfig.decode_run): 1 unless the step only decodes, every row already generates
-    (none feeds its prompt's last token) and takes the argmax of its raw logits, and none
-    would pass its max_tokens."""
+    (none feeds its prompt's last token) and samples from its logits alone (no penalty
+    window over its tokens, no grammar, no log-probs), and none would pass its max_tokens."""
     if limit <= 1 or plan.prefill or not plan.decode:
         return 1
     for seq in plan.decode:
-        if seq.generated == 0 or seq.matcher is not None or not plain_greedy(seq.sampling):
+        sp = seq.sampling
+        if seq.generated == 0 or seq.matcher is not None or sp.has_penalties or sp.logprobs:
             return 1
         limit = min(limit, seq.max_len - len(seq.tokens))
     return max(limit, 1)
@@ -362,15 +363,16 @@ def _run_length(plan: StepPlan, limit: int) -> int:
 def _decode_run(
     state: EngineState, params: Params, seqs: list[Sequence], steps: int
 ) -> tuple[EngineState, list[list[int]]]:
-    """`steps` greedy decode steps of seqs back to back, each feeding the last one's argmax,
-    with pages already reserved for them -> each row's tokens. Nothing is checked between
+    """`steps` decode steps of seqs back to back, each feeding the tokens sampled from the last
+    one, with pages already reserved for them -> each row's tokens. Nothing is checked between
     them: the caller takes the tokens one by one and drops those after a row's end."""
     s, device = state.sched, torch.device(state.config.device)
+    settings, generators = [seq.sampling for seq in seqs], [seq.generator for seq in seqs]
     tokens, positions, table = _decode_inputs(seqs, device)
     sampled = []
     for _ in range(steps):
         logits, s.pool = decode_step(params, state.cfg, s.pool, tokens, positions, table)
-        tokens = argmax_rows(logits)
+        tokens = sample_ids(logits, settings, generators, None)
         sampled.append(tokens)
         positions = positions + 1
     return state, torch.stack(sampled, 1).tolist()

@@ -151,9 +151,10 @@ def _events_by_request(params, cfg, requests, decode_run, num_pages=64):
 
 @pytest.mark.parametrize("decode_run", [2, 4, 7])
 def test_decode_runs_give_what_single_steps_give(decode_run):
-    # runs of greedy decode steps: the same events as one step at a time, also for a request
-    # that stops on a token inside a run, lengths that are no multiple of the run, a sampled
-    # request beside them (its steps run one at a time) and a pool too small for some runs
+    # runs of decode steps: the same events as one step at a time, also for a request that
+    # stops on a token inside a run, lengths that are no multiple of the run, seeded sampling
+    # with a bias, a request with a penalty (steps run one at a time while it runs) and a
+    # pool too small for some runs
     params, cfg = make_model("gqa")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 6, 9)]
@@ -166,7 +167,9 @@ def test_decode_runs_give_what_single_steps_give(decode_run):
         ai.Request("a", prompts[0], greedy(13)),
         ai.Request("b", prompts[1], greedy(12, stop_token_ids=[stop_at])),
         ai.Request("c", prompts[2], greedy(10)),
-        ai.Request("s", prompts[2], ai.SamplingParams(max_tokens=3, temperature=0.9, seed=1)),
+        ai.Request("s", prompts[2], ai.SamplingParams(max_tokens=9, temperature=0.9, seed=1)),
+        ai.Request("t", prompts[0], ai.SamplingParams(max_tokens=11, seed=2, logit_bias={7: 3.0})),
+        ai.Request("p", prompts[1], greedy(3, presence_penalty=1.0)),
     ]
     for num_pages in (64, 12):
         single, single_calls, _ = _events_by_request(params, cfg, requests, 1, num_pages)
