@@ -431,8 +431,9 @@ def engine_step(
     """Advance every request by one scheduler step. Returns (state, events): one event per
     token produced or request finished, final events of cancelled requests first.
 
-    A step that only decodes greedy rows may run up to `decode_run` decode steps back to back
-    (None: the config's; see EngineConfig.decode_run), giving each row that many tokens.
+    A step that only decodes rows that sample from their logits alone may run up to
+    `decode_run` decode steps back to back (None: the config's; see EngineConfig.decode_run),
+    giving each row that many tokens.
     params are the weights on the engine's device and dtype (see params_for; prepare_params
     lays them out for faster decoding). A failure of the model fails the requests of the step
     (finish_reason "error"); the others go on. The state is donated."""
@@ -473,12 +474,19 @@ def engine_step(
         return state, events
     state.totals.steps += 1
     for seq, (token, logprob) in zip(rows, sampled):
-        try:
-            state, event = _take_token(state, seq, token, logprob)
-        except Exception as exc:
-            state, event = _retire(state, seq, "error", error=describe(exc))
+        state, event = _take_or_fail(state, seq, token, logprob)
         events.append(event)
     return state, events
+
+
+def _take_or_fail(
+    state: EngineState, seq: Sequence, token: int, logprob: dict | None
+) -> tuple[EngineState, StreamEvent]:
+    """_take_token; a failure there (a detokenizer's, a grammar's) ends this request alone."""
+    try:
+        return _take_token(state, seq, token, logprob)
+    except Exception as exc:
+        return _retire(state, seq, "error", error=describe(exc))
 
 
 def _take_run(
@@ -497,10 +505,7 @@ def _take_run(
     for seq, tokens in zip(seqs, runs):
         for token in tokens:
             seq.computed += 1  # the K/V of the token fed before this one
-            try:
-                state, event = _take_token(state, seq, token, None)
-            except Exception as exc:
-                state, event = _retire(state, seq, "error", error=describe(exc))
+            state, event = _take_or_fail(state, seq, token, None)
             events.append(event)
             if event.finish_reason is not None:
                 break
