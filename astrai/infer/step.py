@@ -467,14 +467,22 @@ def engine_step(
             else []
         )
     except Exception as exc:
-        error = describe(exc)
-        for seq in [*plan.decode, *(seq for seq, _ in plan.prefill)]:
-            state, event = _retire(state, seq, "error", error=error)
-            events.append(event)
-        return state, events
+        return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
     state.totals.steps += 1
     for seq, (token, logprob) in zip(rows, sampled):
         state, event = _take_or_fail(state, seq, token, logprob)
+        events.append(event)
+    return state, events
+
+
+def _fail(
+    state: EngineState, seqs: list[Sequence], exc: Exception, events: list
+) -> tuple[EngineState, list[StreamEvent]]:
+    """The model failed on a step: its requests end with finish_reason "error" and the
+    message, after the events already made."""
+    error = describe(exc)
+    for seq in seqs:
+        state, event = _retire(state, seq, "error", error=error)
         events.append(event)
     return state, events
 
@@ -497,10 +505,7 @@ def _take_run(
     try:
         state, runs = _decode_run(state, params, seqs, steps)
     except Exception as exc:
-        for seq in seqs:
-            state, event = _retire(state, seq, "error", error=describe(exc))
-            events.append(event)
-        return state, events
+        return _fail(state, seqs, exc, events)
     state.totals.steps += steps
     for seq, tokens in zip(seqs, runs):
         for token in tokens:
