@@ -160,6 +160,11 @@ def sample(
     if logit_bias is not None:
         logits = logits + logit_bias
     if allowed is not None:
+        # a huge penalty or bias can push every token the grammar allows to -inf (or NaN):
+        # they stay the lowest finite numbers, so the mask below still leaves one to pick
+        if logit_bias is not None or recent_tokens is not None:
+            lowest, highest = torch.finfo(logits.dtype).min, torch.finfo(logits.dtype).max
+            logits = logits.nan_to_num(nan=lowest, posinf=highest, neginf=lowest)
         logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_ids = argmax_rows(logits)
     if _is(temperature, 0.0):
@@ -176,6 +181,7 @@ def sample(
         sorted_probs, order = probs.sort(-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
         drop = before >= _column(top_p, B, torch.float32, device)
+        drop[:, 0] = False  # the most likely token stays, also when top_p underflows to 0
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     if not _is(min_p, 0.0):
         floor = _column(min_p, B, torch.float32, device) * probs.amax(-1, keepdim=True)

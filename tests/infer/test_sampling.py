@@ -165,3 +165,29 @@ def test_greedy_requests_take_what_sample_gives(others):
     allowed = torch.tensor([[True, False, False, True, False]]).repeat(len(settings_), 1)
     out = sample_requests(logits, settings_, [None] * len(settings_), histories, allowed)
     assert out[0][0] == 0  # the grammar's mask is applied to plain greedy rows as well
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_still_gets_an_allowed_token_under_huge_penalties(temperature):
+    # repetition_penalty 1e308 is inf in float32: the one allowed token, seen before, goes to
+    # -inf (or NaN at a logit of 0), and the pick must still be the token the grammar allows
+    logits = torch.tensor([[-0.5, 0.0, 2.0, 1.0]])
+    allowed = torch.tensor([[True, False, False, False]])
+    for penalty in (dict(repetition_penalty=1e308), dict(frequency_penalty=1e308)):
+        token = sample(
+            logits, temperature=temperature, recent_tokens=torch.tensor([[0, 1]]),
+            allowed=allowed, **penalty,
+        )  # fmt: skip
+        assert int(token) == 0
+    bias = torch.tensor([[float("-inf"), 0.0, 0.0, 0.0]])
+    assert int(sample(logits, temperature=temperature, logit_bias=bias, allowed=allowed)) == 0
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_allowed_token():
+    # 1e-58 is 0 in float32: every token's mass "before" it reaches it, the first included
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5]])
+    for allowed in (None, torch.tensor([[False, True, True, False]])):
+        best = 0 if allowed is None else 1
+        for seed in range(5):
+            g = torch.Generator().manual_seed(seed)
+            assert int(sample(logits, g, top_p=1e-58, allowed=allowed)) == best
