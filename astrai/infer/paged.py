@@ -16,6 +16,7 @@ from astrai.config import ModelConfig
 from astrai.infer.pages import Pool, page_size_of
 from astrai.infer.prepare import prepare_params  # noqa: F401  (its home before prepare.py)
 from astrai.model import decode_layers, embed, lm_head
+from astrai.model.layers import cast
 
 Params = dict[str, torch.Tensor]
 
@@ -45,12 +46,16 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
         k_layer, v_layer = pool["k"][layer], pool["v"][layer]
         k_rows = k_new[valid] if valid is not None else k_new.flatten(0, 1)
         v_rows = v_new[valid] if valid is not None else v_new.flatten(0, 1)
-        k_layer.view(num_slots, *k_layer.shape[2:]).index_copy_(0, slots, k_rows.to(k_layer.dtype))
-        v_layer.view(num_slots, *v_layer.shape[2:]).index_copy_(0, slots, v_rows.to(v_layer.dtype))
+        k_layer.view(num_slots, *k_layer.shape[2:]).index_copy_(
+            0, slots, cast(k_rows, k_layer.dtype)
+        )
+        v_layer.view(num_slots, *v_layer.shape[2:]).index_copy_(
+            0, slots, cast(v_rows, v_layer.dtype)
+        )
         # index_select with a flat index costs half what indexing with the [B, used] table does
         k_all = k_layer.index_select(0, flat_table).view(B, used * ps, *k_layer.shape[2:])
         v_all = v_layer.index_select(0, flat_table).view(B, used * ps, *v_layer.shape[2:])
-        return k_all.to(k_new.dtype), v_all.to(v_new.dtype)
+        return cast(k_all, k_new.dtype), cast(v_all, v_new.dtype)
 
     hidden, _ = decode_layers(params, cfg, embed(params, cfg, tokens), positions, mask, store, lora)
     return hidden

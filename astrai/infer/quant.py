@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from astrai.infer.hardware import cpu_flags
+from astrai.model.layers import cast
 
 log = logging.getLogger("astrai.infer")
 
@@ -39,15 +40,14 @@ class Int8Matrix:
     weight: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # float32 [out]
     kernel: str  # one of KERNELS
-    run: Callable[[torch.Tensor], torch.Tensor]  # x [N, in] -> [N, out], the chosen product
+    run: Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out], the chosen product
 
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.run(x.reshape(-1, x.shape[-1]))
-        return y.to(x.dtype).view(*x.shape[:-1], self.weight.shape[0])
+        return cast(self.run(x), x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scale[:, None]
@@ -63,7 +63,12 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _weight_only(q: torch.Tensor, scale: torch.Tensor) -> Callable:
     scale_bf16 = scale.to(torch.bfloat16)
-    return lambda x: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scale_bf16)
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # the kernel takes two dimensions only
+        rows = x.to(torch.bfloat16).flatten(0, -2)
+        return torch._weight_int8pack_mm(rows, q, scale_bf16).view(*x.shape[:-1], q.shape[0])
+
+    return run
 
 
 def _reduce_range() -> bool:
@@ -81,6 +86,7 @@ def _dynamic(q: torch.Tensor, scale: torch.Tensor) -> Callable:
         qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
     packed = torch.ops.quantized.linear_prepack(qweight, None)
     reduce_range = _reduce_range()
+    # any leading shape: the activations' one scale is per tensor, so rows need no flattening
     return lambda x: torch.ops.quantized.linear_dynamic(x.float(), packed, reduce_range)
 
 

@@ -11,6 +11,7 @@ import math
 import torch
 
 from astrai.config import ModelConfig
+from astrai.model.layers import cast
 
 
 def rope_dim(cfg: ModelConfig) -> int:
@@ -101,4 +102,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         cos, sin = cos[:, :, None], sin[:, :, None]
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rolling by half swaps the halves and the
     # table carries the sign, three ops where a decode step is bound by the count of small ops.
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
+    return cast(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin), x.dtype)
