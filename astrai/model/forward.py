@@ -62,11 +62,13 @@ def decode_layers(
             )
         else:
             x, layer_aux = _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora)
-        aux = aux + layer_aux
+        if layer_aux is not None:  # dense layers add nothing: two ops a layer saved
+            aux = aux + layer_aux
     return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), aux
 
 
 def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
+    """One decoder layer: (x after it, its MoE aux loss or None for a dense layer)."""
     p = f"model.layers.{i}"
     h = rms_norm(x, params[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
     x = x + attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
@@ -74,7 +76,7 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:
-        y, aux = swiglu(params, f"{p}.mlp", h, lora), x.new_zeros((), dtype=torch.float32)
+        y, aux = swiglu(params, f"{p}.mlp", h, lora), None
     return x + y, aux
 
 
