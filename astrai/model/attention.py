@@ -39,6 +39,16 @@ def identity_store(
 def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     B, T, _ = x.shape
     H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # one table for every head
+    plain = not (cfg.use_gated_attention or cfg.use_qk_norm or lora)
+    if plain and f"{prefix}.qkv_proj.weight" in params:
+        # Fused inference weights give queries and keys side by side: rotating them as one
+        # tensor saves five of a decode step's ~70 small ops a layer.
+        qk, v = linear(params, f"{prefix}.qkv_proj", x).split_with_sizes(
+            [(H + Hkv) * D, Hkv * D], dim=-1
+        )
+        q, k = apply_rope(qk.view(B, T, H + Hkv, D), cos, sin).split_with_sizes([H, Hkv], dim=2)
+        return q, k, v.view(B, T, Hkv, D), None
     q, k, v = fused_linear(params, prefix, "qkv_proj", x, lora, (None, Hkv * D, Hkv * D))
     q = q.reshape(B, T, H, -1)
     gate = None

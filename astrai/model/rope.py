@@ -97,9 +97,10 @@ def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] (or [B, T, D]) by the tables of `rope_tables` [B, T, D]."""
-    if x.dim() == 4:
-        cos, sin = cos[:, :, None], sin[:, :, None]
+    """Rotate x [B, T, H, D] (or [B, T, D]) by the tables of `rope_tables` [B, T, D] (or
+    [B, T, 1, D], unsqueezed once for all the heads of x)."""
+    if cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rolling by half swaps the halves and the
     # table carries the sign, three ops where a decode step is bound by the count of small ops.
     return cast(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin), x.dtype)
