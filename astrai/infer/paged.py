@@ -39,8 +39,11 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
         slots = slots[valid]
     else:
         slots = slots.flatten()
+    x = embed(params, cfg, tokens)
     key_pos = torch.arange(used * ps, device=device)
-    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+    visible = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+    # additive, made once: SDPA spends three ops a layer turning a bool mask into this
+    mask = x.new_zeros(visible.shape).masked_fill_(visible.logical_not(), float("-inf"))
 
     def store(layer, k_new, v_new):
         k_layer, v_layer = pool["k"][layer], pool["v"][layer]
@@ -57,7 +60,7 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
         v_all = v_layer.index_select(0, flat_table).view(B, used * ps, *v_layer.shape[2:])
         return cast(k_all, k_new.dtype), cast(v_all, v_new.dtype)
 
-    hidden, _ = decode_layers(params, cfg, embed(params, cfg, tokens), positions, mask, store, lora)
+    hidden, _ = decode_layers(params, cfg, x, positions, mask, store, lora)
     return hidden
 
 

@@ -82,7 +82,8 @@ def attend(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask bool [B, 1, T, S]
-    (True = may attend) or None for plain causal / full attention over T == S."""
+    (True = may attend; or additive, 0 and -inf in q's dtype) or None for plain causal / full
+    attention over T == S."""
     if mask is not None:  # cached and paged inference, packed documents in training
         return attend_masked(q, k, v, mask, scale)
     groups = q.shape[1] // k.shape[1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -33,16 +34,18 @@ def attend_by_products(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v. q [B, H, T, D]; k [B, Hkv, S, D]; v [B, Hkv, S, Dv];
-    mask bool [B, 1, T, S], True = may attend, at least one key per query. The query heads
-    that share a K/V head are multiplied as one matrix, so K and V are read once."""
+    mask bool [B, 1, T, S], True = may attend, at least one key per query (or the same as an
+    additive mask of 0 and -inf in q's dtype). The query heads that share a K/V head are
+    multiplied as one matrix, so K and V are read once."""
     B, H, T, D = q.shape
     heads, S = k.shape[1], k.shape[2]
     groups = H // heads
     scale = D**-0.5 if scale is None else scale
     rows = (q * scale).reshape(B, heads, groups * T, D)
     scores = torch.matmul(rows, k.transpose(-1, -2))
-    bias = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    scores.view(B, heads, groups, T, S).add_(bias[:, :, None])
+    if mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(~mask, -math.inf)
+    scores.view(B, heads, groups, T, S).add_(mask[:, :, None])
     return torch.matmul(scores.softmax(-1), v).view(B, H, T, -1)
 
 
