@@ -107,6 +107,10 @@ class Events:
             self.close()
             raise
 
+    def at_hand(self) -> bool:
+        """Whether the next read returns without waiting (an event, or the end)."""
+        return self._done or not self._events.empty()
+
     def close(self) -> None:
         if not self._done:
             self._done = True

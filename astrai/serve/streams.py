@@ -60,6 +60,15 @@ class Choices:
         self._measure(i, event)
         return i, event
 
+    def at_hand(self) -> bool:
+        """Whether the next read returns without waiting: an event is there, or every stream
+        has ended."""
+        if self.ready:
+            return True
+        if self.only:
+            return self.only[1].at_hand()
+        return not self.pending or any(task.done() for task in self.pending)
+
     def _measure(self, i: int, event: Event) -> None:
         t, n, m = time.monotonic(), len(event.token_ids or ()), self.metrics
         if n and i in self.last_token:

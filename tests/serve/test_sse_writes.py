@@ -1,0 +1,76 @@
+"""Server-sent events at hand together go out in one write, and nothing waits to be joined."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tiny_server import engine_for
+
+from astrai.infer.events import Events
+from astrai.serve.metrics import Metrics
+from astrai.serve.sse import _joined
+from astrai.serve.streams import open_choices
+
+
+class Scripted:
+    """Choices whose `at_hand` answers from a script, one answer per chunk read."""
+
+    def __init__(self, answers: list[bool]):
+        self.answers = iter(answers)
+
+    def at_hand(self) -> bool:
+        return next(self.answers)
+
+
+async def writes(chunks: list[bytes], answers: list[bool]) -> list[bytes]:
+    async def body():
+        for chunk in chunks:
+            yield chunk
+
+    return [w async for w in _joined(body(), Scripted(answers))]
+
+
+def test_chunks_at_hand_are_joined_and_the_rest_sent_at_once():
+    chunks = [b"a", b"b", b"c", b"d", b"e"]
+    assert asyncio.run(writes(chunks, [True, True, False, False, True])) == [b"abc", b"d", b"e"]
+    assert asyncio.run(writes(chunks, [False] * 5)) == chunks
+    assert asyncio.run(writes(chunks, [True] * 5)) == [b"abcde"]  # the end flushes
+
+
+def test_events_at_hand_until_read_and_after_the_end():
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        events = Events(queue, lambda: None)
+        assert not events.at_hand()
+        queue.put_nowait(type("E", (), {"finish_reason": None})())
+        assert events.at_hand()
+        await anext(events)
+        assert not events.at_hand()
+        queue.put_nowait(type("E", (), {"finish_reason": "stop"})())
+        await anext(events)
+        assert events.at_hand()  # the next read ends at once
+
+    asyncio.run(run())
+
+
+def test_tokens_handed_over_together_are_at_hand_together(tiny):
+    """With hand-overs held for a minute, every event after the first token comes in one
+    hand-over at the end: the stream reads each of them without waiting, so one write carries
+    them all."""
+    prompt = tiny[2].encode("Say hello.")
+
+    async def run(engine):
+        choices = await open_choices(
+            engine, [(prompt, {"max_tokens": 8, "ignore_eos": True})], Metrics()
+        )
+        at_hand = []
+        async for _, event in choices:
+            at_hand.append(choices.at_hand())
+            if event.finish_reason is not None:
+                break
+        await choices.aclose()
+        return at_hand
+
+    with engine_for(tiny, stream_interval_ms=60_000) as engine:
+        at_hand = asyncio.run(run(engine))
+    assert len(at_hand) == 8 and all(at_hand[1:])
