@@ -868,8 +868,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     this many tokens from one engine step, and the scheduling, the stop checks and the
     hand-over of events happen once per run instead of once per token. A request that ends
     inside a run wastes the rest of its row's steps. The Engine runs one step at a time while
-    messages wait, and no more steps than fit in 20 ms by the last step's time, so a new
-    request or a cancel waits at most that long. 1: one token per step."""
+    messages wait, and as many steps as take about 20 ms by the last step's time (rounded to
+    the nearest count), so a new request or a cancel waits about that long at most. 1: one
+    token per step."""
     stream_interval_ms: float = 20.0
     """How often at most a request's reader is handed new tokens (`Engine.stream`, `astream`,
     every stream of `just serve`): tokens that come sooner wait, at most this long, and go out
