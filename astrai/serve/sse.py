@@ -32,6 +32,12 @@ class EventStream(StreamingResponse):
         super().__init__(_joined(body, choices), media_type="text/event-stream", headers=headers)
         self.choices = choices
 
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.choices.aclose()
+
 
 async def _joined(body: AsyncIterator[bytes], choices) -> AsyncIterator[bytes]:
     """The body's events, those at hand together joined into one write: the engine hands a
@@ -47,9 +53,3 @@ async def _joined(body: AsyncIterator[bytes], choices) -> AsyncIterator[bytes]:
             held.clear()
     if held:
         yield b"".join(held)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.choices.aclose()

@@ -1,14 +1,17 @@
-"""Server-sent events at hand together go out in one write, and nothing waits to be joined."""
+"""Server-sent events at hand together go out in one write, nothing waits to be joined, and a
+response closes its streams however it ends."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+from starlette.requests import ClientDisconnect
 from tiny_server import engine_for
 
 from astrai.infer.events import Events
 from astrai.serve.metrics import Metrics
-from astrai.serve.sse import _joined
+from astrai.serve.sse import EventStream, _joined
 from astrai.serve.streams import open_choices
 
 
@@ -74,3 +77,31 @@ def test_tokens_handed_over_together_are_at_hand_together(tiny):
     with engine_for(tiny, stream_interval_ms=60_000) as engine:
         at_hand = asyncio.run(run(engine))
     assert len(at_hand) == 8 and all(at_hand[1:])
+
+
+def test_event_stream_closes_its_streams_when_the_client_is_gone():
+    closed = []
+
+    class Choices:
+        def at_hand(self) -> bool:
+            return False
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def body():
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("the client went away")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    response = EventStream(body(), Choices())
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(response(scope, receive, send))
+    assert closed == [True]
