@@ -433,7 +433,7 @@ class Engine:
 
     def _run_length(self) -> int:
         """How many decode steps the next engine step may run back to back: one while messages
-        wait (a new request, a cancel), else up to `decode_run` that fit in RUN_SECONDS by the
+        wait (a new request, a cancel), else up to `decode_run` taking about RUN_SECONDS by the
         last step's time, so a run never holds a new request back for long."""
         if not self._inbox.empty():
             return 1
@@ -450,10 +450,10 @@ class Engine:
             if (box := self._outboxes.get(event.request_id)) is not None:
                 box.held.append(event)
         interval = self._state.config.stream_interval_ms / 1000
-        holding = [box for box in self._outboxes.values() if box.held]
-        woken = {box.sink.loop for box in holding if box.due(now, interval)} - {None}
+        ready = [(box, box.due(now, interval)) for box in self._outboxes.values() if box.held]
+        woken = {box.sink.loop for box, is_due in ready if is_due} - {None}
         # a loop woken anyway takes every event held for it
-        due = [box for box in holding if box.sink.loop in woken or box.due(now, interval)]
+        due = [box for box, is_due in ready if is_due or box.sink.loop in woken]
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for box in due:
             out, box.held, box.sent_at = box.held, [], now
