@@ -21,8 +21,7 @@ from astrai.data.config import DataConfig, data_config, load_data_config
 from astrai.data.pipeline import Tally, build_shards, load_tokenizer, make_index, shard_counts
 from astrai.data.records import expand_inputs
 from astrai.data.shards import INDEX, ShardError, open_shard, read_index
-
-IGNORE = -100  # the label of a position that is not trained
+from astrai.model.logprobs import IGNORE
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -24,8 +24,7 @@ from astrai.data import IGNORE, get_example, open_dataset
 from astrai.eval.loglik import Pair, rolling_pairs, score_pairs
 from astrai.eval.scoring import pass_at_k, scorer_for
 from astrai.infer import Engine
-from astrai.model import forward
-from astrai.train.losses import token_logps
+from astrai.model import forward, token_logps
 
 Progress = Callable[[int, int], None]
 

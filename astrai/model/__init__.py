@@ -11,11 +11,13 @@ from astrai.model.forward import (
     init_cache,
     lm_head,
 )
+from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
 from astrai.model.params import init_params, param_shapes
 from astrai.model.rope import apply_rope, rope_tables
 
 __all__ = [
+    "IGNORE",
     "CheckpointError",
     "apply_rope",
     "check_params",
@@ -34,4 +36,5 @@ __all__ = [
     "param_shapes",
     "rope_tables",
     "save_pretrained",
+    "token_logps",
 ]

@@ -1,6 +1,7 @@
 """Training: optimizers and schedules as pure functions, losses, train_step, the loop,
 checkpoints, torch.distributed data parallel and sharded training, and GRPO with online rollouts."""
 
+from astrai.model import token_logps
 from astrai.train.batches import BatchSource, open_batches, synthetic_batch
 from astrai.train.checkpoint import (
     latest_checkpoint,
@@ -32,7 +33,6 @@ from astrai.train.losses import (
     seq_loss,
     sequence_logps,
     sft_loss,
-    token_logps,
     with_advantages,
     with_reference_logps,
 )

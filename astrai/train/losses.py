@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.config import LossConfig, ModelConfig
-from astrai.data.datasets import IGNORE
-from astrai.model import forward
+from astrai.model import IGNORE, forward, token_logps
 
 
 def _forward(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkpoint, generator):
@@ -33,14 +32,6 @@ def _forward(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, check
     coef = cfg.router_aux_loss_coef if opts.aux_loss_coef is None else opts.aux_loss_coef
     aux_term = coef * aux if cfg.ffn_type == "moe" else None
     return logits.float(), aux_term
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels[:, t] | prefix) per position [B, T]; zero where labels == -100."""
-    flat = -F.cross_entropy(
-        logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
-    ).view(labels.shape)
-    return flat * (labels != IGNORE)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:

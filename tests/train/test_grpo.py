@@ -16,7 +16,7 @@ from tokenizers import models, pre_tokenizers
 
 from astrai.config import ConfigError, LossConfig, ModelConfig, train_config
 from astrai.data import data_config, prepare
-from astrai.model import forward, init_params
+from astrai.model import forward, init_params, token_logps
 from astrai.tokenizer import Tokenizer
 from astrai.train import (
     RewardError,
@@ -28,7 +28,6 @@ from astrai.train import (
     loss_fn,
     request_seed,
     sample_group,
-    token_logps,
     train,
 )
 from astrai.train.metrics import read_metrics

@@ -7,12 +7,11 @@ import torch
 from numerics import approx, assert_close, gradient_roundings
 from tiny_run import TINY, same_tensors, tiny_train_config
 
-from astrai.model import forward, init_params
+from astrai.model import forward, init_params, token_logps
 from astrai.train import (
     TrainingDiverged,
     init_train_state,
     synthetic_batch,
-    token_logps,
     train_step,
     with_reference_logps,
 )
