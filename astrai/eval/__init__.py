@@ -7,17 +7,19 @@ run by `just eval`, during training (`eval_every`) and by the demo. See docs/eva
 
 from astrai.eval.loglik import Scored, rolling_pairs, score_pairs
 from astrai.eval.report import evaluate_tasks, flat_metrics, format_table, write_results
-from astrai.eval.scoring import pass_at_k, scorer_for
+from astrai.eval.scoring import RewardError, load_reward, pass_at_k, scorer_for
 from astrai.eval.tasks import Model, checksum, continuation_pair, model_of, read_records, run_task
 
 __all__ = [
     "Model",
+    "RewardError",
     "Scored",
     "checksum",
     "continuation_pair",
     "evaluate_tasks",
     "flat_metrics",
     "format_table",
+    "load_reward",
     "model_of",
     "pass_at_k",
     "read_records",

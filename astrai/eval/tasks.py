@@ -22,7 +22,7 @@ import torch
 from astrai.config import EvalTask, ModelConfig
 from astrai.data import IGNORE, get_example, open_dataset
 from astrai.eval.loglik import Pair, rolling_pairs, score_pairs
-from astrai.eval.scoring import pass_at_k, scorer_for
+from astrai.eval.scoring import call_reward, pass_at_k, record_fields, scorer_for
 from astrai.infer import Engine
 from astrai.model import forward, token_logps
 
@@ -294,14 +294,9 @@ def score_generations(
     first completions, to show what the model wrote."""
     flat_prompts = [p for p, cs in zip(prompts, completions) for _ in cs]
     flat = [c for cs in completions for c in cs]
-    fields = {
-        k: [r.get(k) for r, cs in zip(records, completions) for _ in cs] for k in _keys(records)
-    }
-    scores = [float(s) for s in scorer_for(task)(flat_prompts, flat, **fields)]
-    if len(scores) != len(flat):
-        raise ValueError(
-            f"task {task.name!r}: the scorer gave {len(scores)} scores for {len(flat)}"
-        )
+    fields = record_fields(records, task.samples)
+    name = f"{task.score} (task {task.name!r})"
+    scores = call_reward(name, scorer_for(task), flat_prompts, flat, fields)
     metrics: dict[str, Any] = {"accuracy": sum(scores) / max(len(scores), 1)}
     if task.samples > 1:
         right, at = [], 0
@@ -321,10 +316,6 @@ def score_generations(
         for i, (r, p, cs) in enumerate(list(zip(records, prompts, completions))[:3])
     ]
     return metrics
-
-
-def _keys(records: list[dict]) -> list[str]:
-    return list(dict.fromkeys(k for r in records for k in r))
 
 
 RUNNERS = {"perplexity": perplexity, "generation": generation, "choice": choice}

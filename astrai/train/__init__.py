@@ -1,6 +1,7 @@
 """Training: optimizers and schedules as pure functions, losses, train_step, the loop,
 checkpoints, torch.distributed data parallel and sharded training, and GRPO with online rollouts."""
 
+from astrai.eval.scoring import RewardError, load_reward
 from astrai.model import token_logps
 from astrai.train.batches import BatchSource, open_batches, synthetic_batch
 from astrai.train.checkpoint import (
@@ -11,7 +12,6 @@ from astrai.train.checkpoint import (
 )
 from astrai.train.distributed import DistInfo, all_reduce_sum_, init_distributed
 from astrai.train.grpo import (
-    RewardError,
     Samples,
     build_batch,
     open_rollout,
@@ -37,7 +37,7 @@ from astrai.train.losses import (
     with_reference_logps,
 )
 from astrai.train.optim import Optimizer, adamw, decay_mask, lion, make_optimizer, sgd
-from astrai.train.rewards import equation_format, exact_match, load_reward
+from astrai.train.rewards import equation_format, exact_match
 from astrai.train.run import Run, evaluate, prepare_batch, run_step, start_run
 from astrai.train.schedules import SCHEDULES, lr_at
 from astrai.train.sharded import gathered, shard_params

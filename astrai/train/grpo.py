@@ -27,6 +27,7 @@ import torch
 
 from astrai.config import GrpoConfig, ModelConfig, TrainConfig
 from astrai.data import IGNORE, next_batch, open_dataset
+from astrai.eval.scoring import Reward, call_reward, load_reward, record_fields
 from astrai.infer import Request, init_engine, prepare_params, run_requests
 from astrai.infer.sampling import sampling_params
 from astrai.infer.step import params_for
@@ -37,13 +38,8 @@ from astrai.train.checkpoint import checkpoint_name
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import group_advantages
 from astrai.train.metrics import append_metrics, show_progress
-from astrai.train.rewards import Reward, load_reward
 from astrai.train.run import Run, run_step, save_checkpoint
 from astrai.train.state import TrainState
-
-
-class RewardError(ValueError):
-    """A reward function raised, or did not return one finite number per completion."""
 
 
 class Samples(NamedTuple):
@@ -100,7 +96,7 @@ def policy_params(state: TrainState) -> dict:
 def open_rollout(state: TrainState, train_cfg: TrainConfig) -> Rollout:
     """The tokenizer and the reward functions of the run's rounds."""
     grpo = train_cfg.grpo
-    rewards = {path: load_reward(path) for path in grpo.rewards}
+    rewards = {path: load_reward(path, "grpo.rewards") for path in grpo.rewards}
     weights = grpo.reward_weights or (1.0,) * len(grpo.rewards)
     return Rollout(rollout_tokenizer(train_cfg), rewards, tuple(weights), str(state.device))
 
@@ -158,28 +154,6 @@ def sample_group(
         group_ids=[i // G for i in range(len(rows))],
         truncated=[c.finish_reason == "length" for c in done],
     )
-
-
-def record_fields(records: list[dict], group_size: int) -> dict[str, list]:
-    """Every key of the prompt records as a list aligned with the completions (None where a
-    record lacks it); "prompts" and "completions" are a reward's own arguments."""
-    keys = dict.fromkeys(k for r in records for k in r if k not in ("prompts", "completions"))
-    return {k: [r.get(k) for r in records for _ in range(group_size)] for k in keys}
-
-
-def call_reward(name: str, fn: Reward, prompts, completions, fields) -> list[float]:
-    try:
-        values = [float(v) for v in fn(prompts, completions, **fields)]
-    except Exception as exc:
-        raise RewardError(f"reward function {name} raised {type(exc).__name__}: {exc}") from exc
-    if len(values) != len(completions):
-        raise RewardError(
-            f"reward function {name} returned {len(values)} rewards for "
-            f"{len(completions)} completions"
-        )
-    if not all(math.isfinite(v) for v in values):
-        raise RewardError(f"reward function {name} returned a non-finite reward")
-    return values
 
 
 def score(

@@ -1,4 +1,6 @@
-"""Reward functions for GRPO: plain callables `(prompts, completions, **fields) -> list[float]`.
+"""The built-in reward functions for GRPO: plain callables `(prompts, completions, **fields) ->
+list[float]` (loaded by dotted path and called by astrai/eval/scoring.py, which evaluation's
+generation tasks share).
 
 `prompts` and `completions` are lists of strings, one per completion (the prompt as the model
 saw it, chat template included); `fields` holds every key of the prompt records (`answer`,
@@ -8,24 +10,11 @@ saw it, chat template included); `fields` holds every key of the prompt records 
 
 from __future__ import annotations
 
-import importlib
 import re
-from collections.abc import Callable
 
-Reward = Callable[..., list[float]]
+from astrai.eval.scoring import final_answer
 
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 EQUATION = re.compile(r"-?\d+\s*[-+*/x×]\s*-?\d+\s*=\s*-?\d+\s*\.?\s*$")
-
-
-def final_answer(completion: str) -> str | None:
-    """The first number after the completion's last "=" ("12 + 30 = 42" -> "42"); without an
-    "=", the completion's last number; None when there is no number there."""
-    if "=" in completion:
-        found = NUMBER.search(completion.rsplit("=", 1)[1])
-        return found.group() if found else None
-    numbers = NUMBER.findall(completion)
-    return numbers[-1] if numbers else None
 
 
 def same_answer(found: str | None, reference) -> bool:
@@ -48,17 +37,3 @@ def equation_format(prompts: list[str], completions: list[str], **_) -> list[flo
     """1.0 where the completion ends in one equation of the shape "a op b = c" (the demo's
     answers end so, after their worked steps), whatever its numbers."""
     return [float(EQUATION.search(c) is not None) for c in completions]
-
-
-def load_reward(path: str) -> Reward:
-    """The callable a dotted path names, e.g. "astrai.train.rewards.exact_match"."""
-    module_name, _, name = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"grpo.rewards: {path!r} is not a dotted path (module.function)")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"grpo.rewards: cannot load {path!r}: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"grpo.rewards: {path!r} is not callable")
-    return fn

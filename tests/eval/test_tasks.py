@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import astrai
 from astrai.config import ConfigError, EvalTask, eval_config, load_eval_config
 from astrai.eval import evaluate_tasks, model_of, pass_at_k, scorer_for
-from astrai.eval.tasks import continuation_pair
+from astrai.eval.scoring import RewardError
+from astrai.eval.tasks import continuation_pair, score_generations
 
 
 def write_jsonl(path, records):
@@ -115,6 +116,24 @@ def test_scorers():
     ]
     got = scores("astrai.train.rewards.exact_match", ["1 + 1 = 2", "1 + 1 = 3"], ["2", "2"])
     assert got == [1.0, 0.0]
+
+
+def nan_scores(prompts, completions, **fields):
+    return [float("nan")] * len(completions)
+
+
+def test_a_scorer_is_called_as_grpo_calls_a_reward():
+    # A record field named like a reward function's own argument does not clash with it.
+    records = [{"prompt": "1 + 1", "answer": "2", "completions": "a field of the data"}]
+    task = EvalTask(name="t", kind="generation", data="x", score="exact")
+    assert score_generations(task, records, ["1 + 1"], [["2"]])["accuracy"] == 1.0
+    # A scorer that gives no finite score per completion is named, with its task.
+    bad = msgspec.structs.replace(task, score="test_tasks.nan_scores")
+    with pytest.raises(RewardError, match=r"test_tasks.nan_scores \(task 't'\).*non-finite"):
+        score_generations(bad, records, ["1 + 1"], [["2"]])
+    missing = msgspec.structs.replace(task, answer_key="solution")
+    with pytest.raises(RewardError, match=r"exact \(task 't'\).*no 'solution' \(answer_key\)"):
+        score_generations(missing, records, ["1 + 1"], [["2"]])
 
 
 def test_bad_config_names_the_key_and_the_file(tmp_path):

@@ -16,6 +16,7 @@ from tokenizers import models, pre_tokenizers
 
 from astrai.config import ConfigError, LossConfig, ModelConfig, train_config
 from astrai.data import data_config, prepare
+from astrai.eval.scoring import final_answer, load_reward
 from astrai.model import forward, init_params, token_logps
 from astrai.tokenizer import Tokenizer
 from astrai.train import (
@@ -31,7 +32,7 @@ from astrai.train import (
     train,
 )
 from astrai.train.metrics import read_metrics
-from astrai.train.rewards import equation_format, exact_match, final_answer, load_reward
+from astrai.train.rewards import equation_format, exact_match
 
 WORDS = ["<|endoftext|>", *"0123456789", "+", "="]
 MODEL = {**TINY_MODEL, "vocab_size": len(WORDS), "max_position_embeddings": 32}
