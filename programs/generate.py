@@ -21,13 +21,12 @@ import time
 
 from astrai.infer import ConstraintError, Engine, SamplingParams
 from astrai.infer.constraints import choice, json_schema, regex
+from astrai.model import DTYPES
 from astrai.tokenizer import Tokenizer
 
 # the fields of a line that hold its output to a form, and how each becomes a grammar
 FORMS = {"json_schema": json_schema, "regex": regex, "choice": choice}
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__) - {"constraint"}
-
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 class InputError(ValueError):
@@ -100,7 +99,7 @@ def main() -> int:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--json-schema", help="a JSON schema file every output must follow")
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
-    parser.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's; auto: bfloat16 where the CPU/GPU multiplies it natively")  # fmt: skip
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], help="default: the checkpoint's; auto: bfloat16 where the CPU/GPU multiplies it natively")  # fmt: skip
     parser.add_argument("--quantize", choices=["int8"], help="8-bit weights (default: none)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args()

@@ -46,12 +46,10 @@ from astrai.infer.scheduler import (
 )
 from astrai.infer.sequence import Sequence
 from astrai.infer.stops import scan_stops
-from astrai.model import kv_shapes
+from astrai.model import DTYPES, kv_shapes
 
 Params = dict[str, torch.Tensor]
 log = logging.getLogger("astrai.infer")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Request(msgspec.Struct, frozen=True):

@@ -13,10 +13,11 @@ from astrai.model.forward import (
 )
 from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
-from astrai.model.params import init_params, param_shapes
+from astrai.model.params import DTYPES, init_params, param_shapes
 from astrai.model.rope import apply_rope, rope_tables
 
 __all__ = [
+    "DTYPES",
     "IGNORE",
     "CheckpointError",
     "apply_rope",

@@ -14,9 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, model_config_from_json, write_model_config
-from astrai.model.params import param_shapes
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from astrai.model.params import DTYPES, param_shapes
 
 
 class CheckpointError(ValueError):

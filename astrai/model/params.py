@@ -8,6 +8,9 @@ import torch
 
 from astrai.config import ModelConfig
 
+# the dtypes weights are kept in, by the names configs and files use
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size

@@ -18,14 +18,13 @@ import torch
 from figures import NoMatplotlib
 
 import astrai
+from astrai.model import DTYPES
 
 from . import peer_llamacpp
 from .chart import Panel, write_chart
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import markdown, table
 from .sections import SECTIONS, Bench, limit_rows
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
