@@ -23,7 +23,7 @@ from astrai.train.grpo import (
     total_reward,
     train_round,
 )
-from astrai.train.loop import export_model, train
+from astrai.train.loop import train
 from astrai.train.losses import (
     LOSSES,
     dpo_loss,
@@ -36,6 +36,7 @@ from astrai.train.losses import (
     with_advantages,
     with_reference_logps,
 )
+from astrai.train.model_folder import export_model
 from astrai.train.optim import Optimizer, adamw, decay_mask, lion, make_optimizer, sgd
 from astrai.train.rewards import equation_format, exact_match
 from astrai.train.run import Run, evaluate, prepare_batch, run_step, start_run

@@ -24,16 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, TrainConfig
 from astrai.model import load_pretrained, param_shapes, save_pretrained
+from astrai.train.model_folder import copy_tokenizer
 from astrai.train.state import TrainState
 
 FORMAT = 1
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 def _flatten(tree, prefix: str, tensors: dict, scalars: dict) -> None:
@@ -119,14 +113,6 @@ def save_train_state(run_dir: str | Path, state: TrainState, keep: int = 3) -> P
     for stale in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
-
-
-def copy_tokenizer(source: str, dest: Path) -> None:
-    if not source:
-        return
-    for name in TOKENIZER_FILES:
-        if (Path(source) / name).exists():
-            shutil.copyfile(Path(source) / name, dest / name)
 
 
 def remove_partial_checkpoints(run_dir: str | Path) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -31,15 +30,15 @@ from astrai.eval.scoring import Reward, call_reward, load_reward, record_fields
 from astrai.infer import Request, init_engine, prepare_params, run_requests
 from astrai.infer.sampling import sampling_params
 from astrai.infer.step import params_for
-from astrai.model import merge_lora
 from astrai.tokenizer import Tokenizer
 from astrai.train.batches import BatchSource, rows_per_rank, start_cursor
 from astrai.train.checkpoint import checkpoint_name
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import group_advantages
 from astrai.train.metrics import append_metrics, show_progress
+from astrai.train.model_folder import run_tokenizer
 from astrai.train.run import Run, run_step, save_checkpoint
-from astrai.train.state import TrainState
+from astrai.train.state import TrainState, model_params
 
 
 class Samples(NamedTuple):
@@ -80,25 +79,14 @@ def prompt_batches(train_cfg: TrainConfig, rank: int = 0, world_size: int = 1) -
     return BatchSource(cursor, lambda c: next_batch(dataset, {**c, "batch_size": per_rank}))
 
 
-def rollout_tokenizer(train_cfg: TrainConfig) -> Tokenizer:
-    """The tokenizer of `tokenizer`, else of `init_from`: rewards read text."""
-    for folder in (train_cfg.tokenizer, train_cfg.init_from):
-        if folder and (Path(folder) / "tokenizer.json").is_file():
-            return Tokenizer.from_pretrained(folder)
-    raise ValueError("grpo rollouts need a tokenizer: set `tokenizer` to its folder")
-
-
-def policy_params(state: TrainState) -> dict:
-    """The params the policy samples with (LoRA adapters merged in)."""
-    return state.params if state.lora is None else merge_lora(state.params, state.lora)
-
-
 def open_rollout(state: TrainState, train_cfg: TrainConfig) -> Rollout:
     """The tokenizer and the reward functions of the run's rounds."""
     grpo = train_cfg.grpo
     rewards = {path: load_reward(path, "grpo.rewards") for path in grpo.rewards}
     weights = grpo.reward_weights or (1.0,) * len(grpo.rewards)
-    return Rollout(rollout_tokenizer(train_cfg), rewards, tuple(weights), str(state.device))
+    return Rollout(
+        run_tokenizer(train_cfg, "grpo rollouts"), rewards, tuple(weights), str(state.device)
+    )
 
 
 # --- one round as functions ---------------------------------------------------------------
@@ -213,7 +201,7 @@ def sample_and_score(state: TrainState, prompts: dict, run: Run, rollout: Rollou
     count = len(prompts["prompt_ids"]) * cfg.grpo.group_size
     seeds = [request_seed(cfg.seed, state.step, first + i) for i in range(count)]
     samples = sample_group(
-        policy_params(state),
+        model_params(state),
         state.model_config,
         rollout.tokenizer,
         prompts["prompt_ids"],

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import TextIO
 
 from astrai.config import TrainConfig, model_config_from_json
-from astrai.model import merge_lora, save_pretrained
 from astrai.train import grpo
 from astrai.train.batches import BatchSource, open_batches
-from astrai.train.checkpoint import copy_tokenizer
 from astrai.train.distributed import DistInfo, barrier
+from astrai.train.model_folder import export_model
 from astrai.train.run import Run, run_step, save_checkpoint, start_run
 from astrai.train.sharded import full_params, is_sharded
 from astrai.train.state import TrainState
@@ -85,10 +84,3 @@ def step_advance(run: Run) -> Advance:
         return run_step(state._replace(cursor=cursor), batch, run)[0]
 
     return advance
-
-
-def export_model(state: TrainState, path: Path, tokenizer: str = "") -> None:
-    """The trained model as a `save_pretrained` folder, LoRA adapters merged in."""
-    params = state.params if state.lora is None else merge_lora(state.params, state.lora)
-    save_pretrained(path, params, state.model_config)
-    copy_tokenizer(tokenizer, path)

@@ -20,8 +20,7 @@ import torch
 
 from astrai.config import ModelConfig, TrainConfig
 from astrai.eval import evaluate_tasks, flat_metrics, model_of
-from astrai.model import init_params, load_pretrained, merge_lora
-from astrai.tokenizer import Tokenizer
+from astrai.model import init_params, load_pretrained
 from astrai.train.batches import BatchSource, open_batches, rows_per_rank, with_rank
 from astrai.train.checkpoint import (
     canonical_order,
@@ -46,9 +45,10 @@ from astrai.train.metrics import (
     show_progress,
     truncate_metrics,
 )
+from astrai.train.model_folder import run_tokenizer
 from astrai.train.sharded import gathered, is_sharded, mesh_for, shard_params
 from astrai.train.sharded_checkpoint import save_sharded_train_state
-from astrai.train.state import TrainState, init_train_state
+from astrai.train.state import TrainState, init_train_state, model_params
 from astrai.train.step import eval_step, micro_batches, train_step
 
 
@@ -100,7 +100,7 @@ def start_run(
         reference = state.params if state.lora else _frozen_copy(train_cfg, dist, state, ckpt)
     valid = open_batches(train_cfg, state.model_config, dist.rank, dist.world_size, "valid")
     throughput = Throughput(state.step)
-    tokenizer = task_tokenizer(train_cfg)
+    tokenizer = run_tokenizer(train_cfg, "[eval] tasks") if train_cfg.eval.tasks else None
     run = Run(
         train_cfg, dist, run_dir, reference, valid, throughput, log, ckpt is not None, tokenizer
     )
@@ -198,23 +198,12 @@ def evaluate(state: TrainState, run: Run) -> float | None:
     return loss_sum / max(weight, 1e-12)
 
 
-def task_tokenizer(train_cfg: TrainConfig) -> Tokenizer | None:
-    """The tokenizer the [eval] tasks read text with: `tokenizer`'s, else `init_from`'s."""
-    if not train_cfg.eval.tasks:
-        return None
-    for folder in (train_cfg.tokenizer, train_cfg.init_from):
-        if folder and (Path(folder) / "tokenizer.json").is_file():
-            return Tokenizer.from_pretrained(folder)
-    raise ValueError("[eval] tasks need a tokenizer: set `tokenizer` to its folder")
-
-
 def evaluate_on_tasks(state: TrainState, run: Run) -> dict[str, float]:
     """The [eval] tasks on the current weights (LoRA merged), run by the main rank ->
     {"eval/TASK/METRIC": value}; the other ranks wait for it."""
     metrics = {}
     if run.dist.is_main:
-        params = state.params if state.lora is None else merge_lora(state.params, state.lora)
-        model = model_of(params, state.model_config, run.tokenizer)
+        model = model_of(model_params(state), state.model_config, run.tokenizer)
         metrics = flat_metrics(evaluate_tasks(model, run.train_cfg.eval))
     barrier()
     return metrics

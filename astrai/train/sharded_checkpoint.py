@@ -34,6 +34,7 @@ import astrai.train.checkpoint as ckpt
 from astrai.config import ModelConfig, TrainConfig, model_config_from_json, write_model_config
 from astrai.model import param_shapes, save_pretrained
 from astrai.train.distributed import barrier
+from astrai.train.model_folder import copy_tokenizer, export_model
 from astrai.train.sharded import placements
 from astrai.train.state import TrainState, init_train_state
 
@@ -91,7 +92,7 @@ def _write_meta(folder: Path, state: TrainState) -> None:
     }
     (folder / "train_state.json").write_text(json.dumps(meta, indent=2) + "\n")
     write_model_config(folder / "config.json", state.model_config)
-    ckpt.copy_tokenizer(state.train_config.tokenizer, folder)
+    copy_tokenizer(state.train_config.tokenizer, folder)
 
 
 def load_sharded_train_state(
@@ -160,8 +161,6 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """A training checkpoint (sharded or whole) -> a model folder `load_pretrained` and
     `just serve` read (model.safetensors, config.json, tokenizer files), in one process. Of a
     sharded checkpoint only the params are read, each tensor whole."""
-    from astrai.train.loop import export_model
-
     path, out = Path(path), Path(out)
     if not (path / "train_state.json").exists():
         raise FileNotFoundError(f"{path}: not a training checkpoint (no train_state.json)")
@@ -172,7 +171,5 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
         save_pretrained(out, params, model_cfg)
     else:
         export_model(ckpt.load_train_state(path), out)
-    for name in ckpt.TOKENIZER_FILES:
-        if (path / name).exists():
-            shutil.copyfile(path / name, out / name)
+    copy_tokenizer(path, out)
     return out

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from astrai.config import ModelConfig, TrainConfig
-from astrai.model import init_lora
+from astrai.model import init_lora, merge_lora
 from astrai.train.optim import make_optimizer
 
 
@@ -73,3 +73,8 @@ def init_train_state(
         model_config=model_cfg,
         train_config=train_cfg,
     )
+
+
+def model_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """The weights the model runs with: the params, LoRA adapters merged in (a new dict then)."""
+    return state.params if state.lora is None else merge_lora(state.params, state.lora)

@@ -1,0 +1,46 @@
+"""The model folders a run reads and writes: the tokenizer it reads text with (the `tokenizer`
+folder's, else `init_from`'s), and the trained model it leaves, a `save_pretrained` folder with
+the tokenizer files beside the weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from astrai.config import TrainConfig
+from astrai.model import save_pretrained
+from astrai.tokenizer import Tokenizer
+from astrai.train.state import TrainState, model_params
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def run_tokenizer(train_cfg: TrainConfig, needed_by: str) -> Tokenizer:
+    """The tokenizer of `tokenizer`, else of `init_from`; when neither folder holds one, the
+    error says what `needed_by` it."""
+    for folder in (train_cfg.tokenizer, train_cfg.init_from):
+        if folder and (Path(folder) / "tokenizer.json").is_file():
+            return Tokenizer.from_pretrained(folder)
+    raise ValueError(f"{needed_by} need a tokenizer: set `tokenizer` to its folder")
+
+
+def copy_tokenizer(source: str | Path, dest: Path) -> None:
+    """The tokenizer files of folder `source` (none when it is "") into `dest`."""
+    if not source:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).exists():
+            shutil.copyfile(Path(source) / name, Path(dest) / name)
+
+
+def export_model(state: TrainState, path: Path, tokenizer: str = "") -> None:
+    """The trained model as a `save_pretrained` folder, LoRA adapters merged in, with the
+    tokenizer files of folder `tokenizer`."""
+    save_pretrained(path, model_params(state), state.model_config)
+    copy_tokenizer(tokenizer, path)
