@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from astrai.config import ConfigError
-from astrai.train.sharded_checkpoint import export_checkpoint
+from astrai.train import export_checkpoint
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ from astrai.model.forward import (
 )
 from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
-from astrai.model.params import DTYPES, init_params, param_shapes
+from astrai.model.params import DTYPES, canonical_order, init_params, param_shapes
 from astrai.model.rope import apply_rope, rope_tables
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "IGNORE",
     "CheckpointError",
     "apply_rope",
+    "canonical_order",
     "check_params",
     "decode_layers",
     "embed",

@@ -88,6 +88,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def canonical_order(params: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Params in the model's own key order (files list keys alphabetically). The order decides
+    the summation order of the global gradient norm, so a resumed run must use the same one."""
+    order = {k: i for i, k in enumerate(param_shapes(cfg))}
+    return dict(sorted(params.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
 def init_params(
     cfg: ModelConfig,
     seed: int = 0,

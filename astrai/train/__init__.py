@@ -5,6 +5,7 @@ from astrai.eval.scoring import RewardError, load_reward
 from astrai.model import token_logps
 from astrai.train.batches import BatchSource, open_batches, synthetic_batch
 from astrai.train.checkpoint import (
+    export_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_train_state,
@@ -42,7 +43,7 @@ from astrai.train.rewards import equation_format, exact_match
 from astrai.train.run import Run, evaluate, prepare_batch, run_step, start_run
 from astrai.train.schedules import SCHEDULES, lr_at
 from astrai.train.sharded import gathered, shard_params
-from astrai.train.sharded_checkpoint import export_checkpoint, save_sharded_train_state
+from astrai.train.sharded_checkpoint import save_sharded_train_state
 from astrai.train.state import TrainState, init_train_state
 from astrai.train.step import TrainingDiverged, eval_step, train_step
 

@@ -32,7 +32,7 @@ from astrai.infer.sampling import sampling_params
 from astrai.infer.step import params_for
 from astrai.tokenizer import Tokenizer
 from astrai.train.batches import BatchSource, rows_per_rank, start_cursor
-from astrai.train.checkpoint import checkpoint_name
+from astrai.train.checkpoint import checkpoint_path
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import group_advantages
 from astrai.train.metrics import append_metrics, show_progress
@@ -262,8 +262,7 @@ def train_round(state: TrainState, cursor, prompts: dict, run: Run, rollout: Rol
 
 def keep(state: TrainState, run: Run) -> None:
     """Save the state (consistent: between rounds) unless its checkpoint exists already."""
-    folder = run.run_dir / "checkpoints" / checkpoint_name(state.step)
-    if state.step and not folder.exists():
+    if state.step and not checkpoint_path(run.run_dir, state.step).exists():
         save_checkpoint(state, run)
 
 

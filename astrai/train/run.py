@@ -20,10 +20,9 @@ import torch
 
 from astrai.config import ModelConfig, TrainConfig
 from astrai.eval import evaluate_tasks, flat_metrics, model_of
-from astrai.model import init_params, load_pretrained
+from astrai.model import canonical_order, init_params, load_pretrained
 from astrai.train.batches import BatchSource, open_batches, rows_per_rank, with_rank
 from astrai.train.checkpoint import (
-    canonical_order,
     latest_checkpoint,
     list_checkpoints,
     load_train_state,
@@ -47,7 +46,6 @@ from astrai.train.metrics import (
 )
 from astrai.train.model_folder import run_tokenizer
 from astrai.train.sharded import gathered, is_sharded, mesh_for, shard_params
-from astrai.train.sharded_checkpoint import save_sharded_train_state
 from astrai.train.state import TrainState, init_train_state, model_params
 from astrai.train.step import eval_step, micro_batches, train_step
 
@@ -211,9 +209,7 @@ def evaluate_on_tasks(state: TrainState, run: Run) -> dict[str, float]:
 
 def save_checkpoint(state: TrainState, run: Run) -> None:
     """Rank 0 writes a whole state; every rank writes its part of a sharded one."""
-    if is_sharded(state.params):
-        save_sharded_train_state(run.run_dir, state, run.train_cfg.keep_checkpoints)
-    elif run.dist.is_main:
+    if is_sharded(state.params) or run.dist.is_main:
         save_train_state(run.run_dir, state, run.train_cfg.keep_checkpoints)
 
 

@@ -3,8 +3,8 @@
 Everything a run needs to continue exactly where it stopped lives in it (and in a checkpoint):
 the params, the LoRA adapters when only those are trained, the optimizer moments, the counters,
 the RNG state and the data cursor, plus the two configs as plain fields. `init_train_state`
-builds a fresh one and `load_train_state` (astrai/train/checkpoint.py) reads one back; both
-construct it through `TrainState(...)`, so its fields are written down once, here.
+builds one, fresh; `load_train_state` (astrai/train/checkpoint.py) builds one with it and
+fills it from a checkpoint, so a state is constructed in one place, here.
 """
 
 from __future__ import annotations

@@ -82,6 +82,19 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     ]
 
 
+def test_a_checkpoint_loaded_for_another_optimizer_names_what_does_not_fit(tmp_path):
+    sgd = tiny_train_config(optimizer={"name": "sgd"})
+    path = save_train_state(tmp_path, _steps(init_train_state(init_params(TINY), sgd), 1))
+    adamw = tiny_train_config(optimizer={"name": "adamw"})
+    with pytest.raises(
+        ValueError, match=r"step_00000001: its optimizer moments do not fit.*'v/model"
+    ):
+        load_train_state(path, adamw)
+    lora = tiny_train_config(optimizer={"name": "sgd"}, lora={"rank": 4})
+    with pytest.raises(ValueError, match=r"resume with the optimizer and LoRA settings"):
+        load_train_state(path, lora)
+
+
 class Interrupted(Exception):
     pass
 
