@@ -38,7 +38,16 @@ from astrai.train.losses import (
     with_reference_logps,
 )
 from astrai.train.model_folder import export_model
-from astrai.train.optim import Optimizer, adamw, decay_mask, lion, make_optimizer, sgd
+from astrai.train.optim import (
+    AdamState,
+    MomentumState,
+    Optimizer,
+    adamw,
+    decay_mask,
+    lion,
+    make_optimizer,
+    sgd,
+)
 from astrai.train.rewards import equation_format, exact_match
 from astrai.train.run import Run, evaluate, prepare_batch, run_step, start_run
 from astrai.train.schedules import SCHEDULES, lr_at
@@ -50,8 +59,10 @@ from astrai.train.step import TrainingDiverged, eval_step, train_step
 __all__ = [
     "LOSSES",
     "SCHEDULES",
+    "AdamState",
     "BatchSource",
     "DistInfo",
+    "MomentumState",
     "Optimizer",
     "RewardError",
     "Run",

@@ -79,7 +79,7 @@ def write_meta(folder: Path, state: TrainState, **extra) -> None:
         "skipped": state.skipped,
         "bad_streak": state.bad_streak,
         "cursor": state.cursor,
-        "scalars": {f"opt/{k}": v for k, v in state.opt.items() if not isinstance(v, dict)},
+        "scalars": {"opt/count": state.opt.count},
         "train_config": msgspec.to_builtins(state.train_config),
     }
     (folder / "train_state.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -98,10 +98,9 @@ def saved_train_config(meta: dict) -> TrainConfig:
 
 def restored(state: TrainState, meta: dict) -> TrainState:
     """A state built for the checkpoint, with its counters, data cursor and the optimizer's
-    counters set from train_state.json (the tensors are the format's to fill)."""
-    counters = {k.split("/", 1)[1]: v for k, v in meta["scalars"].items() if k.startswith("opt/")}
+    step count set from train_state.json (the tensors are the format's to fill)."""
     return state._replace(
-        opt={**state.opt, **counters},
+        opt=state.opt._replace(count=meta["scalars"]["opt/count"]),
         step=meta["step"],
         skipped=meta["skipped"],
         bad_streak=meta["bad_streak"],

@@ -1,9 +1,10 @@
 """Optimizers as `(init, update)` pairs of pure functions over pytrees.
 
-`init(params) -> opt_state` builds the moments; `update(params, grads, opt_state, lr) ->
-(params, opt_state)` applies one step. Parameters and moments are donated: they are updated in
-place (one `torch._foreach_*` kernel per operation over all tensors, not a Python loop of small
-kernels) and returned; the caller must not keep using the old ones.
+`init(params) -> opt_state` builds the state, a NamedTuple of the steps taken (`count`) and
+moment trees like the params (`AdamState`, `MomentumState`); `update(params, grads, opt_state,
+lr) -> (params, opt_state)` applies one step. Parameters and moments are donated: they are
+updated in place (one `torch._foreach_*` kernel per operation over all tensors, not a Python
+loop of small kernels) and returned; the caller must not keep using the old ones.
 
 Weight decay is decoupled (AdamW style) for every optimizer: `p <- p * (1 - lr * wd)` on the
 tensors the decay mask selects.
@@ -21,9 +22,32 @@ Tree = Any
 FUSED_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has kernels
 
 
+class AdamState(NamedTuple):
+    """AdamW's state: steps taken, first and second moments (trees like the params)."""
+
+    count: int
+    m: Tree
+    v: Tree
+
+
+class MomentumState(NamedTuple):
+    """SGD's and Lion's state: steps taken and one momentum tree like the params."""
+
+    count: int
+    m: Tree
+
+
+OptState = AdamState | MomentumState
+
+
 class Optimizer(NamedTuple):
-    init: Callable[[Tree], Tree]
-    update: Callable[[Tree, Tree, Tree, float], tuple[Tree, Tree]]
+    init: Callable[[Tree], OptState]
+    update: Callable[[Tree, Tree, OptState, float], tuple[Tree, OptState]]
+
+
+def moments(state: OptState) -> dict[str, Tree]:
+    """The state's moment trees by field name; `count` is its one number."""
+    return {k: v for k, v in state._asdict().items() if k != "count"}
 
 
 def decay_mask(
@@ -94,18 +118,17 @@ def adamw(
     where it is missing the foreach path runs instead (`fused_adamw_available`).
     """
 
-    def init(params: Tree) -> Tree:
-        zeros = tree_map(torch.zeros_like, params)
-        return {"count": 0, "m": zeros, "v": tree_map(torch.zeros_like, params)}
+    def init(params: Tree) -> AdamState:
+        return AdamState(0, tree_map(torch.zeros_like, params), tree_map(torch.zeros_like, params))
 
-    def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
+    def update(params: Tree, grads: Tree, state: AdamState, lr: float) -> tuple[Tree, AdamState]:
         p = tree_flatten(params)[0]
-        g, m, v = (leaves_like(t, params) for t in (grads, state["m"], state["v"]))
-        count = state["count"] + 1
+        g, m, v = (leaves_like(t, params) for t in (grads, state.m, state.v))
+        count = state.count + 1
         decays = _mask_leaves(params, mask)
         step = _fused_adamw if fused and p and fused_adamw_available(p[0].device) else _adamw
         step(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
-        return params, {**state, "count": count}
+        return params, state._replace(count=count)
 
     return Optimizer(init, update)
 
@@ -158,7 +181,7 @@ def sgd(
 ) -> Optimizer:
     """SGD with heavy-ball (or Nesterov) momentum: buf <- momentum * buf + g; p <- p - lr * buf."""
 
-    def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
+    def update(params: Tree, grads: Tree, state: MomentumState, lr: float):
         p, g, buf = _decayed_leaves(params, grads, state, mask, lr, weight_decay)
         if momentum:
             torch._foreach_mul_(buf, momentum)
@@ -167,7 +190,7 @@ def sgd(
         else:
             step = g
         torch._foreach_add_(p, step, alpha=-lr)
-        return params, {**state, "count": state["count"] + 1}
+        return params, state._replace(count=state.count + 1)
 
     return Optimizer(_init_momentum, update)
 
@@ -183,27 +206,26 @@ def lion(
     Its steps have unit size per coordinate, so it wants a learning rate 3-10x below AdamW's.
     """
 
-    def update(params: Tree, grads: Tree, state: Tree, lr: float) -> tuple[Tree, Tree]:
+    def update(params: Tree, grads: Tree, state: MomentumState, lr: float):
         p, g, m = _decayed_leaves(params, grads, state, mask, lr, weight_decay)
         direction = torch._foreach_lerp(m, g, 1.0 - beta1)
         torch._foreach_sign_(direction)
         torch._foreach_add_(p, direction, alpha=-lr)
         torch._foreach_lerp_(m, g, 1.0 - beta2)
-        return params, {**state, "count": state["count"] + 1}
+        return params, state._replace(count=state.count + 1)
 
     return Optimizer(_init_momentum, update)
 
 
-def _init_momentum(params: Tree) -> Tree:
-    """One moment buffer like the params: SGD's and Lion's state."""
-    return {"count": 0, "m": tree_map(torch.zeros_like, params)}
+def _init_momentum(params: Tree) -> MomentumState:
+    return MomentumState(0, tree_map(torch.zeros_like, params))
 
 
-def _decayed_leaves(params: Tree, grads: Tree, state: Tree, mask, lr: float, wd: float):
+def _decayed_leaves(params: Tree, grads: Tree, state: MomentumState, mask, lr: float, wd: float):
     """The leaves of params, grads and the moment buffer, paired by position, after applying
     the decoupled weight decay to the params."""
     p = tree_flatten(params)[0]
-    g, m = leaves_like(grads, params), leaves_like(state["m"], params)
+    g, m = leaves_like(grads, params), leaves_like(state.m, params)
     _decay(p, _mask_leaves(params, mask), lr, wd)
     return p, g, m
 

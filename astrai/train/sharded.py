@@ -25,6 +25,7 @@ from functools import cache
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
 
 
 @cache
@@ -67,11 +68,9 @@ def is_sharded(tree) -> bool:
 
 
 def local(tree):
-    """The same nested dict with every DTensor replaced by this rank's shard, which shares its
-    storage: updating the shard in place updates the DTensor."""
-    if isinstance(tree, dict):
-        return {k: local(v) for k, v in tree.items()}
-    return tree.to_local() if isinstance(tree, DTensor) else tree
+    """The same pytree (nested dicts, an optimizer state) with every DTensor replaced by this
+    rank's shard, which shares its storage: updating the shard in place updates the DTensor."""
+    return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, tree)
 
 
 def gather(shard: DTensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from astrai.train.checkpoint_folder import (
 )
 from astrai.train.distributed import barrier
 from astrai.train.model_folder import copy_tokenizer
+from astrai.train.optim import moments
 from astrai.train.sharded import placements
 from astrai.train.state import TrainState, init_train_state
 
@@ -49,8 +50,7 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 def _tensors(state: TrainState) -> dict:
     """What DCP stores: the params, the optimizer's moment trees and the RNG state."""
-    moments = {k: v for k, v in state.opt.items() if isinstance(v, dict)}
-    return {"params": state.params, "opt": moments, "rng": state.rng}
+    return {"params": state.params, "opt": moments(state.opt), "rng": state.rng}
 
 
 def save_sharded_train_state(run_dir: str | Path, state: TrainState, keep: int = 3) -> Path:
@@ -129,5 +129,5 @@ def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
             return distribute_tensor(tree, mesh, placements(mesh))
         return tree
 
-    opt = {k: shard(v) if isinstance(v, dict) else v for k, v in state.opt.items()}
+    opt = state.opt._replace(**{k: shard(v) for k, v in moments(state.opt).items()})
     return state._replace(params=shard(state.params), opt=opt)

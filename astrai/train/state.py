@@ -15,7 +15,7 @@ import torch
 
 from astrai.config import ModelConfig, TrainConfig
 from astrai.model import init_lora, merge_lora
-from astrai.train.optim import make_optimizer
+from astrai.train.optim import OptState, make_optimizer
 
 
 class TrainState(NamedTuple):
@@ -24,7 +24,7 @@ class TrainState(NamedTuple):
 
     params: dict[str, torch.Tensor]  # the model's weights; frozen when `lora` is set
     lora: dict | None  # {"scale": tensor, "weights": {key: {"A", "B"}}}: trained instead
-    opt: dict  # the optimizer's state over `trainable` ({"count", "m", "v"} for AdamW)
+    opt: OptState  # the optimizer's state over `trainable`: AdamState, MomentumState
     step: int  # optimizer steps taken, skipped ones included
     skipped: int  # steps skipped for a non-finite loss or gradient
     bad_streak: int  # skipped steps in a row

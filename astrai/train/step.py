@@ -235,8 +235,7 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     grads = tree_unflatten(grads, spec)
     trainable, opt = optimizer.update(local(state.trainable), grads, local(state.opt), lr)
     if copies:  # the shards were updated in place; keep their DTensors
-        trainable = state.trainable
-        opt = {k: state.opt[k] if isinstance(state.opt[k], dict) else v for k, v in opt.items()}
+        trainable, opt = state.trainable, state.opt._replace(count=opt.count)
     if state.lora is None:
         new = stepped._replace(params=trainable, opt=opt, bad_streak=0)
     else:

@@ -26,6 +26,7 @@ from astrai.train.checkpoint_folder import (
     write_meta,
 )
 from astrai.train.model_folder import copy_tokenizer
+from astrai.train.optim import moments
 from astrai.train.state import TrainState, init_train_state
 
 
@@ -36,7 +37,7 @@ def save_whole_train_state(run_dir: str | Path, state: TrainState, keep: int = 3
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(tmp, state.params, state.model_config)
-    tensors = _by_path({"opt": _moments(state.opt), "lora": state.lora, "rng": state.rng})
+    tensors = _by_path({"opt": moments(state.opt), "lora": state.lora, "rng": state.rng})
     tensors = {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
     save_file(tensors, tmp / "train_state.safetensors")
     write_meta(tmp, state)
@@ -73,14 +74,9 @@ def load_whole_train_state(
     return state._replace(model_config=model_cfg or saved_model_cfg)
 
 
-def _moments(opt) -> dict:
-    """The optimizer state's tensor trees (its counters go to train_state.json)."""
-    return {k: v for k, v in opt.items() if isinstance(v, dict)}
-
-
 def _copy_moments(saved: dict, opt, path: Path) -> None:
     """The saved moments into the fresh state's, which must have the same names and shapes."""
-    want, have = _by_path(_moments(opt)), _by_path(saved)
+    want, have = _by_path(moments(opt)), _by_path(saved)
     misfit = sorted(
         k
         for k in want.keys() | have.keys()

@@ -77,7 +77,7 @@ def main(out: str, replicas: int) -> None:
     batch = {"input_ids": tokens, "labels": tokens}
     state, _ = step.train_step(state, batch)
 
-    moments = sharded.local_bytes(state.opt["m"]) + sharded.local_bytes(state.opt["v"])
+    moments = sharded.local_bytes(state.opt.m) + sharded.local_bytes(state.opt.v)
     layers = [
         sum(s for k, s in sizes.items() if k.startswith(f"model.layers.{i}."))
         for i in range(MODEL.num_hidden_layers)

@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 from numerics import assert_close
 
 from astrai.config import ScheduleConfig
-from astrai.train.optim import adamw, decay_mask, fused_adamw_available, lion, sgd
+from astrai.train.optim import (
+    AdamState,
+    MomentumState,
+    adamw,
+    decay_mask,
+    fused_adamw_available,
+    lion,
+    moments,
+    sgd,
+)
 from astrai.train.schedules import lr_at
 
 # Each optimizer step rounds a handful of times per element (moments, square root, quotient,
@@ -146,7 +155,11 @@ def test_optimizers_update_in_place_and_count():
     opt = adamw(weight_decay=0.1, mask=decay_mask(params))
     new, state = opt.update(params, _grads(params, 0), opt.init(params), 1e-2)
     assert {k: v.data_ptr() for k, v in new.items()} == before
-    assert state["count"] == 1
+    assert isinstance(state, AdamState) and state.count == 1
+    assert moments(state).keys() == {"m", "v"} and state.m.keys() == params.keys()
+    for make in (sgd, lion):
+        _, state = make().update(params, _grads(params, 0), make().init(params), 1e-2)
+        assert isinstance(state, MomentumState) and state.count == 1
 
 
 # --- schedules ----------------------------------------------------------------------------

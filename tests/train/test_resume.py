@@ -35,6 +35,7 @@ from astrai.train import (
     train,
     train_step,
 )
+from astrai.train.optim import moments
 
 
 def _steps(state, n):
@@ -57,9 +58,8 @@ def test_save_and_load_round_trip_the_whole_state(tmp_path, lora):
     assert loaded.train_config == cfg and loaded.model_config == TINY
     assert same_tensors(loaded.params, state.params)
     assert torch.equal(loaded.rng, state.rng)
-    assert loaded.opt["count"] == state.opt["count"]
-    for name in ("m", "v"):
-        a, b = loaded.opt[name], state.opt[name]
+    assert type(loaded.opt) is type(state.opt) and loaded.opt.count == state.opt.count
+    for a, b in zip(moments(loaded.opt).values(), moments(state.opt).values(), strict=True):
         if lora:
             a, b = _flat_lora(a), _flat_lora(b)
         assert same_tensors(a, b)

@@ -139,11 +139,11 @@ def test_non_finite_steps_are_skipped_and_then_stop_training():
     state = init_train_state(init_params(TINY), cfg)
     state, _ = train_step(state, _batch("grpo", 0))
     params = {k: v.clone() for k, v in state.params.items()}
-    moments = {k: v.clone() for k, v in state.opt["m"].items()}
+    moments = {k: v.clone() for k, v in state.opt.m.items()}
     state, metrics = train_step(state, _bad_batch(1))
     assert metrics["step_skipped"] and metrics["skipped"] == 1
-    assert same_tensors(state.params, params) and same_tensors(state.opt["m"], moments)
-    assert state.opt["count"] == 1 and state.step == 2
+    assert same_tensors(state.params, params) and same_tensors(state.opt.m, moments)
+    assert state.opt.count == 1 and state.step == 2
     state, _ = train_step(state, _bad_batch(2))
     state, metrics = train_step(state, _batch("grpo", 3))  # a good step resets the streak
     assert state.bad_streak == 0 and metrics["skipped"] == 2
