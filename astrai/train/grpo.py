@@ -238,7 +238,7 @@ def train_round(state: TrainState, cursor, prompts: dict, run: Run, rollout: Rol
     try:
         samples, rewards = sample_and_score(state, prompts, run, rollout)
     except Exception:
-        keep(state, run)
+        ensure_checkpoint(state, run)
         raise
     rollout_s = time.perf_counter() - started
     total = total_reward(rewards, rollout.weights)
@@ -260,8 +260,9 @@ def train_round(state: TrainState, cursor, prompts: dict, run: Run, rollout: Rol
     return state
 
 
-def keep(state: TrainState, run: Run) -> None:
-    """Save the state (consistent: between rounds) unless its checkpoint exists already."""
+def ensure_checkpoint(state: TrainState, run: Run) -> None:
+    """Save the state as a checkpoint (it is consistent: between rounds) unless one of its step
+    exists already."""
     if state.step and not checkpoint_path(run.run_dir, state.step).exists():
         save_checkpoint(state, run)
 

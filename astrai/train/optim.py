@@ -111,11 +111,11 @@ def adamw(
 ) -> Optimizer:
     """AdamW exactly as `torch.optim.AdamW` computes it (same order of operations).
 
-    fused=True uses torch's fused kernel where the device has one (one pass over memory instead
-    of about eight; on CPUs the foreach ops are a loop over tensors, so this is several times
-    faster); it agrees with the foreach path to rounding, not bit for bit. The kernel is a
-    private torch op (`torch._fused_adamw_`), which may change or vanish between releases:
-    where it is missing the foreach path runs instead (`fused_adamw_available`).
+    fused=True uses torch's fused kernel where the device has one: one pass over memory instead
+    of about eight, where on CPUs each foreach op is a loop over the tensors. It agrees with
+    the foreach path to rounding, not bit for bit. The kernel is a private torch op
+    (`torch._fused_adamw_`), which may change or vanish between releases: where it is missing
+    the foreach path runs instead (`fused_adamw_available`).
     """
 
     def init(params: Tree) -> AdamState:

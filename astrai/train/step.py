@@ -103,8 +103,9 @@ def grad_fn(model_cfg: ModelConfig, train_cfg: TrainConfig):
 def grad_engine(train_cfg: TrainConfig) -> str:
     """ "func" or "autograd". Both compute the same gradients of the same objective. "auto"
     takes torch.func when compiling (AOTAutograd traces it into one graph) and torch.autograd
-    in eager mode, where torch.func's transform accumulates gradients out of place and measured
-    up to a third slower on CPU; activation checkpointing always needs torch.autograd."""
+    in eager mode, where torch.func's transform accumulates gradients out of place, which
+    costs time on CPU (docs/training.md, "Gradient engines", has the figures); activation
+    checkpointing always needs torch.autograd."""
     if train_cfg.grad_engine != "auto":
         return train_cfg.grad_engine
     return "func" if train_cfg.compile and not train_cfg.activation_checkpointing else "autograd"
