@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import msgspec
+import torch
 
 from astrai.config import TrainConfig
 from astrai.train.state import TrainState
@@ -94,6 +95,33 @@ def read_meta(path: Path) -> dict:
 
 def saved_train_config(meta: dict) -> TrainConfig:
     return msgspec.convert(meta["train_config"], TrainConfig)
+
+
+def by_path(tree, sep: str = "/", prefix: str = "") -> dict:
+    """Nested dicts -> {"a/b/c": leaf}, None leaves left out; params' keys contain dots, so a
+    whole checkpoint joins with "/" (DCP's own names join with ".")."""
+    if not isinstance(tree, dict):
+        return {} if tree is None else {prefix: tree}
+    flat = {}
+    for k, v in tree.items():
+        flat |= by_path(v, sep, f"{prefix}{sep}{k}" if prefix else str(k))
+    return flat
+
+
+def shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    return {k: tuple(t.shape) for k, t in tensors.items()}
+
+
+def check_moments(path: Path, want: dict[str, tuple], have: dict[str, tuple]) -> None:
+    """Refuse a checkpoint whose optimizer moments (name -> shape) are not those of the state
+    built for it: another optimizer or LoRA setting than it was saved with."""
+    misfit = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    if misfit:
+        raise ValueError(
+            f"{path}: its optimizer moments do not fit this run's optimizer and trainable "
+            f"tensors ({len(misfit)} differ, e.g. {misfit[0]!r}); resume with the optimizer "
+            "and LoRA settings it was saved with"
+        )
 
 
 def restored(state: TrainState, meta: dict) -> TrainState:

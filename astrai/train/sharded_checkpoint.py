@@ -30,11 +30,14 @@ from torch.distributed.tensor import empty as sharded_empty
 from astrai.config import ModelConfig, TrainConfig, model_config_from_json, write_model_config
 from astrai.model import param_shapes
 from astrai.train.checkpoint_folder import (
+    by_path,
+    check_moments,
     checkpoint_path,
     commit,
     read_meta,
     restored,
     saved_train_config,
+    shapes,
     write_meta,
 )
 from astrai.train.distributed import barrier
@@ -65,7 +68,7 @@ def save_sharded_train_state(run_dir: str | Path, state: TrainState, keep: int =
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    dcp.save(_tensors(state), checkpoint_id=tmp)  # returns once every rank's part is written
+    _dcp(dcp.save, _tensors(state), tmp)  # returns once every rank's part is written
     if main:
         write_meta(tmp, state, layout="sharded")
         write_model_config(tmp / "config.json", state.model_config)
@@ -90,7 +93,8 @@ def load_sharded_train_state(
     params = _empty_params(saved_model_cfg, device, mesh)
     state = init_train_state(params, train_cfg or saved_train_config(meta), saved_model_cfg)
     tensors = _tensors(state)
-    _load(tensors, path)  # fills the tensors in place, in this layout
+    check_moments(path, shapes(by_path(tensors["opt"], ".")), _saved_moment_shapes(path))
+    _dcp(dcp.load, tensors, path)  # fills the tensors in place, in this layout
     state = restored(state, meta)._replace(rng=tensors["rng"])
     return state._replace(model_config=model_cfg or saved_model_cfg)
 
@@ -99,15 +103,22 @@ def load_sharded_params(path: str | Path) -> tuple[dict[str, torch.Tensor], Mode
     """The params of a sharded checkpoint as whole tensors, in one process."""
     model_cfg = model_config_from_json(Path(path) / "config.json")
     params = _empty_params(model_cfg, "cpu", None)
-    _load({"params": params}, Path(path))
+    _dcp(dcp.load, {"params": params}, Path(path))
     return params, model_cfg
 
 
-def _load(tensors: dict, path: Path) -> None:
-    """dcp.load, in one process when no process group is running (without its warning)."""
+def _saved_moment_shapes(path: Path) -> dict[str, tuple]:
+    """{"m.KEY": whole shape} of the moments DCP's metadata lists."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k.split(".", 1)[1]: tuple(v.size) for k, v in saved.items() if k.startswith("opt.")}
+
+
+def _dcp(save_or_load, tensors: dict, path: Path) -> None:
+    """dcp.save or dcp.load, in one process when no process group is running (without the
+    warning DCP gives then)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
+        save_or_load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
 def _empty_params(cfg: ModelConfig, device, mesh: DeviceMesh | None) -> dict:
@@ -115,8 +126,8 @@ def _empty_params(cfg: ModelConfig, device, mesh: DeviceMesh | None) -> dict:
     its shards when sharded."""
     if mesh is None:
         return {k: torch.empty(s, device=device) for k, s in param_shapes(cfg).items()}
-    shapes = param_shapes(cfg).items()
-    return {k: sharded_empty(s, device_mesh=mesh, placements=placements(mesh)) for k, s in shapes}
+    where = {"device_mesh": mesh, "placements": placements(mesh)}
+    return {k: sharded_empty(s, **where) for k, s in param_shapes(cfg).items()}
 
 
 def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:

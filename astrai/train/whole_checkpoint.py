@@ -18,11 +18,14 @@ from safetensors.torch import load_file, save_file
 from astrai.config import ModelConfig, TrainConfig
 from astrai.model import canonical_order, load_pretrained, save_pretrained
 from astrai.train.checkpoint_folder import (
+    by_path,
+    check_moments,
     checkpoint_path,
     commit,
     read_meta,
     restored,
     saved_train_config,
+    shapes,
     write_meta,
 )
 from astrai.train.model_folder import copy_tokenizer
@@ -37,7 +40,7 @@ def save_whole_train_state(run_dir: str | Path, state: TrainState, keep: int = 3
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(tmp, state.params, state.model_config)
-    tensors = _by_path({"opt": moments(state.opt), "lora": state.lora, "rng": state.rng})
+    tensors = by_path({"opt": moments(state.opt), "lora": state.lora, "rng": state.rng})
     tensors = {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
     save_file(tensors, tmp / "train_state.safetensors")
     write_meta(tmp, state)
@@ -76,30 +79,10 @@ def load_whole_train_state(
 
 def _copy_moments(saved: dict, opt, path: Path) -> None:
     """The saved moments into the fresh state's, which must have the same names and shapes."""
-    want, have = _by_path(moments(opt)), _by_path(saved)
-    misfit = sorted(
-        k
-        for k in want.keys() | have.keys()
-        if k not in want or k not in have or want[k].shape != have[k].shape
-    )
-    if misfit:
-        raise ValueError(
-            f"{path}: its optimizer moments do not fit this run's optimizer and trainable "
-            f"tensors ({len(misfit)} differ, e.g. {misfit[0]!r}); resume with the optimizer "
-            "and LoRA settings it was saved with"
-        )
+    want, have = by_path(moments(opt)), by_path(saved)
+    check_moments(path, shapes(want), shapes(have))
     for k, t in want.items():
         t.copy_(have[k])
-
-
-def _by_path(tree, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Nested dicts of tensors -> {"a/b/c": tensor}; keys may contain dots."""
-    if not isinstance(tree, dict):
-        return {} if tree is None else {prefix: tree}
-    flat = {}
-    for k, v in tree.items():
-        flat |= _by_path(v, f"{prefix}/{k}" if prefix else str(k))
-    return flat
 
 
 def _unflatten(flat: dict) -> dict:
