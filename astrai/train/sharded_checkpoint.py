@@ -91,12 +91,12 @@ def load_sharded_train_state(
     meta = read_meta(path)
     saved_model_cfg = model_config_from_json(path / "config.json")
     params = _empty_params(saved_model_cfg, device, mesh)
-    state = init_train_state(params, train_cfg or saved_train_config(meta), saved_model_cfg)
+    train_cfg = train_cfg or saved_train_config(meta)
+    state = init_train_state(params, train_cfg, model_cfg or saved_model_cfg)
     tensors = _tensors(state)
     check_moments(path, shapes(by_path(tensors["opt"], ".")), _saved_moment_shapes(path))
     _dcp(dcp.load, tensors, path)  # fills the tensors in place, in this layout
-    state = restored(state, meta)._replace(rng=tensors["rng"])
-    return state._replace(model_config=model_cfg or saved_model_cfg)
+    return restored(state, meta)._replace(rng=tensors["rng"])
 
 
 def load_sharded_params(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:

@@ -71,10 +71,9 @@ def load_whole_train_state(
         weights = _ordered_like(lora["weights"], params)
         lora = {"scale": _fresh(lora["scale"], device), "weights": _fresh_tree(weights, device)}
     train_cfg = train_cfg or saved_train_config(meta)
-    state = init_train_state(params, train_cfg, saved_model_cfg, lora)
+    state = init_train_state(params, train_cfg, model_cfg or saved_model_cfg, lora)
     _copy_moments(tree.get("opt", {}), state.opt, path)
-    state = restored(state, meta)._replace(rng=rng)
-    return state._replace(model_config=model_cfg or saved_model_cfg)
+    return restored(state, meta)._replace(rng=rng)
 
 
 def _copy_moments(saved: dict, opt, path: Path) -> None:
