@@ -43,16 +43,12 @@ def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dty
 def engine_generate(
     engine, prompts: list[list[int]], new_tokens: int, **sampling
 ) -> list[list[int]]:
-    """Greedy completions of exactly new_tokens each; fails loudly if one stopped early."""
+    """Greedy completions of new_tokens each, with no stop token (that each has as many is
+    checked with the other side's, verify.py)."""
     completions = engine.generate(
         prompts, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, **sampling
     )
-    out = [c.token_ids for c in completions]
-    short = [len(ids) for ids in out if len(ids) != new_tokens]
-    if short:
-        reasons = {c.finish_reason for c in completions}
-        raise RuntimeError(f"Engine returned {short} tokens instead of {new_tokens} ({reasons})")
-    return out
+    return [c.token_ids for c in completions]
 
 
 def prepared(params, cfg: ModelConfig, quantize: str | None = None):
