@@ -311,3 +311,20 @@ def test_tokens_beyond_rounding_mark_the_ratio_not_comparable(tmp_path, monkeypa
     assert row["agreement"] == pytest.approx(2 / 32)
     assert row["why"].startswith("direct, request ")
     assert f"NOT COMPARABLE: serve: {row['name']}: direct, request" in out
+
+
+def test_structured_compares_one_engine_with_and_without_the_grammar(tmp_path, monkeypatch):
+    made = []
+    real = ours.make_engine
+
+    def recording(params, cfg, tokenizer, work, device, dtype, quantize=None):
+        made.append((tokenizer.vocab_size, quantize))
+        return real(params, cfg, tokenizer, work, device, dtype, quantize)
+
+    monkeypatch.setattr(ours, "make_engine", recording)
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "structured"]
+    assert load_program().main([*argv, "--quantize", "int8", "--out", str(tmp_path)]) == 0
+    # one Engine, with the run's 8-bit weights and a tokenizer for the model's whole vocabulary
+    assert made == [(4096, "int8")]
+    rows = read_run(tmp_path)["rows"]
+    assert [r["verdict"] for r in rows if r["section"] == "structured"] == ["comparable"] * 2

@@ -470,32 +470,33 @@ def _note_graph_breaks(b: Bench) -> None:
 
 
 def structured(b: Bench) -> None:
-    """Greedy decoding with every request held to a JSON grammar against free decoding, at
-    batch 1 and 16: what computing the masks costs (target: at most 10% at batch 16)."""
+    """Greedy decoding with every request held to a JSON grammar against free decoding on the
+    same Engine (the same weights, --quantize and tokenizer), at batch 1 and 16: what the
+    masks cost (target: at most 10% at batch 16). A grammar needs a byte-level tokenizer (the
+    run's word-level one has no bytes): both sides use one trained on JSON records, filled up
+    to the model's vocabulary so that every token free decoding picks decodes to text."""
     n = b.work.new_tokens
-    # A grammar needs a byte-level tokenizer (the run's word-level one has no bytes). Free
-    # decoding runs on the run's Engine, whose every token decodes to a short word: random
-    # weights under the JSON tokenizer would pick ids past its vocabulary, whose decoding
-    # costs more than the mask.
     tokenizer = ours.json_tokenizer(b.cfg.vocab_size)
-    json_engine = ours.make_engine(b.params, b.cfg, tokenizer, b.work, b.device, b.dtype)
-    constraint, free_engine = ours.endless_records(), engine_of(b)
+    engine = ours.make_engine(b.params, b.cfg, tokenizer, b.work, b.device, b.dtype, b.quantize)
+    constraint = ours.endless_records()
     calls = {
-        "constrained": lambda p: ours.engine_generate(json_engine, p, n, constraint=constraint),
-        "free": lambda p: ours.engine_generate(free_engine, p, n),
+        "constrained": lambda p: ours.engine_generate(engine, p, n, constraint=constraint),
+        "free": lambda p: ours.engine_generate(engine, p, n),
     }
-    for c in (1, 16):
-        batches = [b.prompts(c, seed=500 * c + r) for r in range(b.work.rounds + 1)]
-        outputs: dict = {}
-        rates = b.measure(calls, batches, c * n, outputs)
-        target = 0.9 if c == 16 and b.size != "tiny" else None
-        label = f"JSON-constrained decoding, batch {c}"
-        pair, choices = ("constrained", "free"), _generated(batches, outputs)
-        # the grammar makes the tokens differ: only the work is compared
-        row = _compared(b, "structured", label, "tok/s", rates, pair, choices,
-                        "free decoding", target, greedy=False)  # fmt: skip
-        b.rows.append(row)
-    json_engine.close()
+    try:
+        for c in (1, 16):
+            batches = [b.prompts(c, seed=500 * c + r) for r in range(b.work.rounds + 1)]
+            outputs: dict = {}
+            rates = b.measure(calls, batches, c * n, outputs)
+            target = 0.9 if c == 16 and b.size != "tiny" else None
+            label = f"JSON-constrained decoding, batch {c}"
+            pair, choices = ("constrained", "free"), _generated(batches, outputs)
+            # the grammar makes the tokens differ: only the work is compared
+            row = _compared(b, "structured", label, "tok/s", rates, pair, choices,
+                            "free decoding", target, greedy=False)  # fmt: skip
+            b.rows.append(row)
+    finally:
+        engine.close()
 
 
 # --- serving -----------------------------------------------------------------------------------
