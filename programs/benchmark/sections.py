@@ -75,20 +75,19 @@ class Bench:
 
         def logits(feed: tuple[int, ...]):
             if precision not in self.forwards:
-                if precision == "exact":
-                    from astrai import load_pretrained
-
-                    params = load_pretrained(self.folder, dtype=torch.float64, device=self.device)[
-                        0
-                    ]
-                elif precision == "ours" and self.quantize:
-                    params = ours.prepared(self.params, self.cfg, self.quantize)
-                else:
-                    params = self.params
-                self.forwards[precision] = forward_logits(params, self.cfg)
+                self.forwards[precision] = forward_logits(self._weights(precision), self.cfg)
             return self.forwards[precision](feed)
 
         return logits
+
+    def _weights(self, precision: str) -> dict:
+        if precision == "exact":
+            from astrai import load_pretrained
+
+            return load_pretrained(self.folder, dtype=torch.float64, device=self.device)[0]
+        if precision == "ours" and self.quantize:
+            return ours.prepared(self.params, self.cfg, self.quantize)
+        return self.params
 
     def note(self, text: str) -> None:
         """Something the reader of the results should know; printed and kept in the JSON."""
@@ -207,14 +206,15 @@ def _compared(
     return row
 
 
-def _generated(batches: list[list[list[int]]], outputs: dict) -> dict:
-    """{side: [Choices]} of the measured rounds' completions (outputs[side][round], one per
-    prompt of batches[round + 1])."""
+def _choices(batches: list[list[list[int]]], outputs: dict, make=generated) -> dict:
+    """{side: [Choices]} of the measured rounds (outputs[side][round]: what each prompt of
+    batches[round + 1] got; a prompt without an answer gets none, an answer without a prompt
+    has an empty one: different work either way)."""
     return {
         side: [
-            generated(prompt, completion)
-            for r, completions in sorted(by_round.items())
-            for prompt, completion in zip_longest(batches[r + 1], completions, fillvalue=())
+            make(prompt, out)
+            for r, outs in sorted(by_round.items())
+            for prompt, out in zip_longest(batches[r + 1], outs, fillvalue=())
         ]
         for side, by_round in outputs.items()
     }
@@ -292,7 +292,7 @@ def decode(b: Bench) -> None:
         ("engine", "transformers", "Engine, batch 1"),
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
     ]
-    choices = _generated(batches, outputs)
+    choices = _choices(batches, outputs)
     targets = {"engine": _decode_target(b)}
     _reference_rows(b, "decode", rates, pairs, "tok/s", targets, choices)
     b.shares.append(("decode", 1, rates, 50.0 if b.size == "smol" else None))
@@ -315,7 +315,7 @@ def throughput(b: Bench) -> None:
             rates = b.measure(calls, batches, c * n, outputs)
             targets = {"engine": THROUGHPUT_TARGETS.get(c)}
             pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
-            choices = _generated(batches, outputs)
+            choices = _choices(batches, outputs)
             _reference_rows(b, "throughput", rates, pairs, "tok/s", targets, choices)
             b.shares.append(("throughput", c, rates, None))
 
@@ -353,14 +353,7 @@ def prefill(b: Bench) -> None:
         ("forward", "ref_forward", f"forward, {batch} x {length}, all logits"),
         ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
     ]
-    choices = {
-        side: [
-            predicted(inputs[r + 1][i].tolist(), row)
-            for r, rows in sorted(by_round.items())
-            for i, row in enumerate(rows)
-        ]
-        for side, by_round in outputs.items()
-    }
+    choices = _choices([x.tolist() for x in inputs], outputs, predicted)
     _reference_rows(b, "prefill", rates, pairs, "tok/s", {"prefill": 1.0}, choices, 1)
 
 
@@ -490,7 +483,7 @@ def structured(b: Bench) -> None:
             rates = b.measure(calls, batches, c * n, outputs)
             target = 0.9 if c == 16 and b.size != "tiny" else None
             label = f"JSON-constrained decoding, batch {c}"
-            pair, choices = ("constrained", "free"), _generated(batches, outputs)
+            pair, choices = ("constrained", "free"), _choices(batches, outputs)
             # the grammar makes the tokens differ: only the work is compared
             row = _compared(b, "structured", label, "tok/s", rates, pair, choices,
                             "free decoding", target, greedy=False)  # fmt: skip
@@ -529,8 +522,8 @@ def serve(b: Bench) -> None:
         keep = _streamed(b.tokenizer)
         rates = b.measure(calls, batches, clients * n, outputs, warm_up=False, keep=keep)
     label = f"{clients} streaming clients over HTTP"
-    choices = _generated(batches, outputs)
-    b.rows.append(_compared(b, "serve", label, "tok/s", rates, ("http", "direct"), choices, "Engine"))  # fmt: skip
+    pair, choices = ("http", "direct"), _choices(batches, outputs)
+    b.rows.append(_compared(b, "serve", label, "tok/s", rates, pair, choices, "Engine"))
     per_second = [clients / load["wall_s"] for load in loads]
     label = f"{clients} clients, requests"
     b.rows.append(figure("serve", label, "req/s", median(per_second), per_second))
@@ -564,7 +557,7 @@ def isolated(b: Bench) -> None:
         }
         rates = b.measure(calls, batches, n, outputs, keep=_streamed(b.tokenizer))
     label = "just serve process, 1 streaming client vs the loop in a clean process"
-    pair, choices = ("serve", "loop"), _generated(batches, outputs)
+    pair, choices = ("serve", "loop"), _choices(batches, outputs)
     b.rows.append(_compared(b, "isolated", label, "tok/s", rates, pair, choices, "loop", 0.95))
 
 

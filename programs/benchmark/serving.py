@@ -86,10 +86,14 @@ def stream_load(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
     }
 
 
-LATENCIES = {"ttft": "time to first token", "tpot": "time per output token", "handover": "gap between hand-overs"}  # fmt: skip
+LATENCIES = {
+    "ttft": "time to first token",
+    "tpot": "time per output token",
+    "handover": "gap between hand-overs",
+}
 
 
-def latency_summary(loads: list[dict]) -> dict[str, float]:
+def latency_summary(loads: list[dict]) -> dict[tuple[str, int], float]:
     """{(kind, percentile): ms} for each kind of LATENCIES, pooled over every request (every
     gap) of every round."""
     pooled = {kind: [t for load in loads for t in load[f"{kind}_s"]] or [0.0] for kind in LATENCIES}

@@ -125,7 +125,7 @@ def forward_logits(params: dict, cfg) -> Logits:
 
     device = next(iter(params.values())).device
 
-    @functools.lru_cache(maxsize=4)
+    @functools.lru_cache(maxsize=2)
     @torch.inference_mode()
     def logits(feed: tuple[int, ...]) -> torch.Tensor:
         return astrai.forward(params, cfg, torch.tensor([feed], device=device))[0].double().cpu()
