@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(summary(results))
     failed = [name for name, s in results["sections"].items() if s["status"].startswith("failed")]
-    return 1 if failed else 0
+    refused = [row for row in results["rows"] if row.get("verdict") == "refused"]
+    for row in refused:  # a ratio of different work is no figure: the run fails
+        print(f"error: {row['section']}: {row['name']}: refused, {row['why']}", file=sys.stderr)
+    return 1 if failed or refused else 0
 
 
 if __name__ == "__main__":

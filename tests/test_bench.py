@@ -19,6 +19,15 @@ from benchmark.limits import (
 )
 from benchmark.run import selected_sections
 from benchmark.timing import interleave, percentile
+from benchmark.verify import (
+    agreement,
+    forward_logits,
+    generated,
+    predicted,
+    same_work,
+    shortfalls,
+    verdict,
+)
 
 import astrai
 from astrai.config import ModelConfig
@@ -56,6 +65,11 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
             assert row["ratio"] > 0 and row["reference"] > 0, row
     # the Engine and the hand-written loop run the same code: the same greedy tokens
     assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
+    # every ratio of two engines shows its agreement, and in float32 compares like things
+    engines = [r for r in results["rows"] if "ratio" in r and r["section"] != "train"]
+    assert {r["section"] for r in engines} == sections - {"limit", "train"}
+    assert all(r["verdict"] == "comparable" for r in engines), engines
+    assert all(r["agreement"] is not None for r in engines if r["section"] != "structured")
 
 
 def test_without_reference_and_with_a_missing_piece(tmp_path, monkeypatch, capsys):
@@ -173,3 +187,144 @@ def test_without_transformers_our_own_folder_and_figures(tmp_path, monkeypatch, 
     config = json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())
     assert "architectures" not in config  # written by our save_pretrained
     assert all("ratio" not in r for r in results["rows"])
+
+
+# --- what a comparison compares (benchmark/verify.py) -------------------------------------------
+
+
+def near_tie_logits(gaps: list[float]):
+    """Hand-made logits over 4 tokens for feeds of len(gaps) tokens: at position p token 0 is
+    best by gaps[p] over token 1, the rest far below; a 'rounded' copy is off by 0.01 at most."""
+
+    def exact(feed):
+        logits = torch.zeros(len(feed), 4, dtype=torch.float64)
+        logits[:, 0] = 1.0
+        logits[:, 1] = 1.0 - torch.tensor(gaps[: len(feed)], dtype=torch.float64)
+        return logits
+
+    def rounded(feed):
+        out = exact(feed).clone()
+        out[:, 2] += 0.01
+        return out
+
+    return exact, rounded
+
+
+def test_sides_that_part_only_where_rounding_explains_are_comparable():
+    exact, rounded = near_tie_logits([0.5, 0.5, 0.02, 0.5, 0.5, 0.5])
+    prompt = [3, 3]
+    a = [generated(prompt, [0, 0, 0, 0])]
+    b = [generated(prompt, [0, 1, 0, 0])]  # parts at position 2, where the best two nearly tie
+    fields = verdict(("ours", "theirs"), (a, b), exact, (rounded, rounded))
+    assert fields == {"agreement": 0.25, "verdict": "comparable", "why": None}
+    assert verdict(("ours", "theirs"), (a, a), exact, (rounded, rounded))["agreement"] == 1.0
+
+
+def test_a_side_choosing_beyond_rounding_makes_the_row_not_comparable():
+    exact, rounded = near_tie_logits([0.5, 0.5, 0.02, 0.5, 0.5, 0.5])
+    prompt = [3, 3]
+    a = [generated(prompt, [0, 0, 0, 0])] * 2
+    b = [generated(prompt, [0, 0, 0, 0]), generated(prompt, [0, 0, 0, 1])]  # 0.5 below the best
+    fields = verdict(("ours", "theirs"), (a, b), exact, (rounded, rounded))
+    assert fields["verdict"] == "not comparable"
+    assert fields["agreement"] == pytest.approx((1 + 3 / 4) / 2)
+    assert fields["why"].startswith("theirs, request 1: choice 3 (token 1) is 0.5 below")
+    assert "rounding explains 0.04" in fields["why"]
+    # a side whose rounding cannot be measured leaves the row unchecked, not comparable
+    unchecked = verdict(("ours", "llama.cpp"), (a, a[:1] * 2), exact, (rounded, None))
+    assert unchecked["verdict"] == "comparable"  # they agree: nothing to explain
+    unchecked = verdict(("ours", "llama.cpp"), (a, b), exact, (rounded, None))
+    assert unchecked["verdict"] == "unchecked" and "llama.cpp" in unchecked["why"]
+
+
+def test_sides_with_different_work_are_refused():
+    a = [generated([1, 2], [5, 6, 7]), generated([3, 4], [5, 6, 7])]
+    fewer = [a[0], generated([3, 4], [5, 6])]
+    refused = verdict(("engine", "transformers"), (a, fewer), None, (None, None))
+    assert refused == {
+        "agreement": None,
+        "verdict": "refused",
+        "why": "different work: request 1: engine chose 3 tokens, transformers 2",
+    }
+    other_prompt = [a[0], generated([3, 9], [5, 6, 7])]
+    assert "different prompts" in same_work(("x", "y"), a, other_prompt)["why"]
+    assert "answered 2 requests, y 1" in same_work(("x", "y"), a, a[:1])["why"]
+    assert same_work(("x", "y"), a, a)["verdict"] == "comparable"
+
+
+def test_a_forwards_predictions_agree_position_by_position():
+    tokens = [7, 8, 9, 10]
+    a, b = [predicted(tokens, [1, 2, 3, 4])], [predicted(tokens, [1, 0, 3, 4])]
+    assert agreement(a, b) == 0.75
+    assert list(a[0].positions()) == [0, 1, 2, 3] and a[0].feed() == tuple(tokens)
+    last = predicted(tokens, [4])
+    assert list(last.positions()) == [3]
+    made = generated([7, 8], [9, 10])
+    assert made.feed() == (7, 8, 9) and list(made.positions()) == [1, 2]
+
+
+def test_rounding_is_measured_against_float64_at_the_very_tokens():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    params = astrai.init_params(cfg, seed=0)
+    exact = forward_logits({k: v.double() for k, v in params.items()}, cfg)
+    rounded = forward_logits({k: v.bfloat16() for k, v in params.items()}, cfg)
+    feed = tuple(range(10))
+    logits = exact(feed)
+    assert logits.dtype == torch.float64 and logits.shape == (10, 64)
+    best = logits.argmax(-1)
+    short, explained = shortfalls(logits, rounded(feed), best)
+    assert torch.equal(short, torch.zeros(10, dtype=torch.float64))
+    # bf16 rounds by about 2^-8 of a value: what it explains is of that order, never zero
+    assert (explained > 0).all() and (explained < 0.5 * logits.abs().amax(-1)).all()
+
+
+def bench_with(monkeypatch, engine_generate):
+    """The quick serve section with the Engine called directly through engine_generate."""
+    monkeypatch.setattr(ours, "engine_generate", engine_generate)
+    return ["--quick", "--rounds", "1", "--no-reference", "--only", "serve"]
+
+
+def test_a_comparison_of_different_token_counts_is_refused(tmp_path, monkeypatch, capsys):
+    real = ours.engine_generate
+    argv = bench_with(monkeypatch, lambda *args, **kw: [c[:-1] for c in real(*args, **kw)])
+    code = load_program().main([*argv, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 1, out
+    assert "error: serve: 8 streaming clients over HTTP: refused, different work: request 0:" in err
+    (row,) = [r for r in read_run(tmp_path)["rows"] if r["unit"] == "tok/s"]
+    assert row["verdict"] == "refused" and row["ratio"] is None and row["met"] is None
+    assert "REFUSED" in out
+
+
+def test_tokens_beyond_rounding_mark_the_ratio_not_comparable(tmp_path, monkeypatch, capsys):
+    real = ours.engine_generate
+
+    def wrong_after_two(*args, **kwargs):  # the same amount of work, other tokens
+        return [c[:2] + [(t + 1) % 4096 for t in c[2:]] for c in real(*args, **kwargs)]
+
+    argv = bench_with(monkeypatch, wrong_after_two)
+    code = load_program().main([*argv, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (row,) = [r for r in read_run(tmp_path)["rows"] if r["unit"] == "tok/s"]
+    assert row["verdict"] == "not comparable" and row["ratio"] > 0
+    assert row["agreement"] == pytest.approx(2 / 32)
+    assert row["why"].startswith("direct, request ")
+    assert f"NOT COMPARABLE: serve: {row['name']}: direct, request" in out
+
+
+def test_structured_compares_one_engine_with_and_without_the_grammar(tmp_path, monkeypatch):
+    made = []
+    real = ours.make_engine
+
+    def recording(params, cfg, tokenizer, work, device, dtype, quantize=None):
+        made.append((tokenizer.vocab_size, quantize))
+        return real(params, cfg, tokenizer, work, device, dtype, quantize)
+
+    monkeypatch.setattr(ours, "make_engine", recording)
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "structured"]
+    assert load_program().main([*argv, "--quantize", "int8", "--out", str(tmp_path)]) == 0
+    # one Engine, with the run's 8-bit weights and a tokenizer for the model's whole vocabulary
+    assert made == [(4096, "int8")]
+    rows = read_run(tmp_path)["rows"]
+    assert [r["verdict"] for r in rows if r["section"] == "structured"] == ["comparable"] * 2

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from load.client import Outcome
 from load.metrics import Objective, percentile, summarize
+from load.stream import handover_gaps, time_per_output_token, token_arrivals
 from load.workloads import DEFAULT_SHAPES, Shape, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,10 +52,61 @@ def test_summary_counts_goodput_against_the_objective():
     jobs = make_workload("shared", Shape(2, 20, 3), 100, math.inf)
     fast = Outcome(0, 0.0, [0.1, 0.2, 0.3], 3)
     slow = Outcome(1, 0.0, [2.0, 2.1, 2.2], 3)  # first token after 2 s
-    figures = summarize(jobs, [fast, slow], 2.2, Objective(ttft_ms=1000, itl_ms=200))
+    figures = summarize(jobs, [fast, slow], 2.2, Objective(ttft_ms=1000, tpot_ms=200))
     assert figures["good_fraction"] == 0.5
     assert figures["output_tok_s"] == pytest.approx(6 / 2.2)
     assert figures["ttft_p50_ms"] == pytest.approx(percentile([100.0, 2000.0], 50))
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(
+        b"data: " + (e.encode() if isinstance(e, str) else json.dumps(e).encode()) + b"\n\n"
+        for e in events
+    )
+
+
+def text(t: str, finish=None) -> dict:
+    return {"choices": [{"index": 0, "text": t, "finish_reason": finish}]}
+
+
+def test_tokens_handed_over_together_arrive_at_one_time():
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}
+    handed = sse(text(" a"), text(" b"), text(" c"))
+    reads = [
+        (1.0, sse(text("t")) + b"data: "),  # an event cut in two: it arrives with its end
+        (1.5, sse(text("ok"))[6:] + handed[:10]),
+        (1.9, handed[10:]),
+        (2.5, sse(text(" d", "length"), usage, "[DONE]")),
+    ]
+    arrivals = token_arrivals(reads)
+    assert arrivals.stamps == [1.0, 1.5, 1.9, 1.9, 1.9, 2.5]
+    assert arrivals.text == "tok a b c d"
+    assert (arrivals.completion_tokens, arrivals.finish_reason) == (5, "length")
+
+
+def test_time_per_output_token_and_handover_gaps_from_hand_made_timings():
+    # 7 tokens: the first alone, then three hand-overs of 2 tokens each, 20 ms apart
+    stamps = [0.100, 0.120, 0.120, 0.140, 0.140, 0.160, 0.160]
+    assert time_per_output_token(stamps) == pytest.approx(0.060 / 6)
+    assert handover_gaps(stamps) == pytest.approx([0.020, 0.020, 0.020])
+    # one token a step, 10 ms apart (the static batching reference): both say 10 ms
+    steps = [0.1 + 0.01 * k for k in range(7)]
+    assert time_per_output_token(steps) == pytest.approx(0.010)
+    assert handover_gaps(steps) == pytest.approx([0.010] * 6)
+    assert time_per_output_token([0.3]) is None and handover_gaps([0.3]) == []
+
+
+def test_summary_reports_tpot_per_request_and_handover_gaps_pooled():
+    jobs = make_workload("shared", Shape(2, 20, 5), 100, math.inf)
+    grouped = Outcome(0, 0.0, [0.1, 0.2, 0.2, 0.3, 0.3], 5)  # TPOT 50 ms, hand-overs 100 ms
+    single = Outcome(1, 0.0, [0.1, 0.14, 0.18, 0.22, 0.26], 5)  # TPOT 40 ms, gaps 40 ms
+    figures = summarize(jobs, [grouped, single], 0.3, Objective(ttft_ms=1000, tpot_ms=45))
+    assert figures["tpot_p50_ms"] == pytest.approx(45.0)
+    assert figures["tpot_p99_ms"] == pytest.approx(percentile([50.0, 40.0], 99))
+    assert figures["handover_p50_ms"] == pytest.approx(40.0)  # 2 gaps of 100 ms, 4 of 40 ms
+    assert figures["handover_p99_ms"] == pytest.approx(100.0)
+    assert figures["good_fraction"] == 0.5  # only the 40 ms request meets 45 ms a token
+    assert not any(key.startswith("itl") for key in figures)
 
 
 def test_each_workload_against_a_real_server(tmp_path):

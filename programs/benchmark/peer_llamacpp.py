@@ -122,7 +122,8 @@ def generate_calls(peer: Peer | None, n: int) -> dict:
 
 
 def prefill_calls(peer: Peer | None) -> dict:
-    """{"llama.cpp F32": tokens [B, T] -> (prefill, last logits only), ...}."""
+    """{"llama.cpp F32": tokens [B, T] -> {"next": each row's greedy next token}, ...}: the
+    prefill, last logits only, and their argmax (microseconds) in the peer process."""
     if peer is None:
         return {}
     return {
@@ -131,15 +132,6 @@ def prefill_calls(peer: Peer | None) -> dict:
         )
         for name in peer.names
     }
-
-
-def peer_rows(b, section: str, rates: dict, ours: str, label: str, unit: str = "tok/s") -> None:
-    """One row per llama.cpp type: our `ours` side against it, measured in the same rounds."""
-    from .report import compare
-
-    for name in b.peer.names if b.peer is not None else ():
-        row = compare(section, f"{label} vs {name}", unit, rates[ours], rates[name], name)
-        b.rows.append(row)
 
 
 # --- the peer process ----------------------------------------------------------------------------
@@ -173,10 +165,8 @@ def main() -> None:
                     m = model(request["model"], len(request["prompts"]))
                     answer = {"tokens": lc.greedy(m, request["prompts"], request["n"])}
                 case "prefill":
-                    lc.prompt_logits(
-                        model(request["model"], len(request["prompts"])), request["prompts"]
-                    )
-                    answer = {"ok": True}
+                    m = model(request["model"], len(request["prompts"]))
+                    answer = {"next": lc.prompt_logits(m, request["prompts"]).argmax(-1).tolist()}
                 case "quit":
                     break
         except Exception as exc:  # the parent reports it; the peer stays up for the next call

@@ -65,25 +65,46 @@ def _number(value: float | None, unit: str = "") -> str:
     return f"{text} {unit}".rstrip()
 
 
-def _cells(row: dict) -> list[str]:
+MARKS = {"not comparable": " NOT COMPARABLE", "unchecked": " unchecked"}
+
+
+def _ratio_text(row: dict) -> str:
+    if row.get("verdict") == "refused":
+        return "REFUSED"
     ratio = row.get("ratio")
-    ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
+    if ratio is None:
+        return "-"
+    text = f"{ratio:.2f}x"
     if row.get("ratio_range"):
         low, high = row["ratio_range"]
-        ratio_text += f" ({low:.2f}-{high:.2f})"
+        text += f" ({low:.2f}-{high:.2f})"
+    return text + MARKS.get(row.get("verdict"), "")
+
+
+def _cells(row: dict) -> list[str]:
     target = row["target"]
-    suffix = "x" if ratio is not None else f" {row['unit']}"
+    suffix = "x" if "ratio" in row else f" {row['unit']}"
     target_text = "-" if target is None else f"{target:g}{suffix}"
     if row["met"] is not None:
         target_text += " ok" if row["met"] else " MISSED"
     reference = _number(row.get("reference"), row["unit"])
     if "reference_name" in row and row["reference_name"] != "transformers":
         reference += f" ({row['reference_name']})"
-    return [row["section"], row["name"], _number(row["ours"], row["unit"]), reference, ratio_text,
-            target_text]  # fmt: skip
+    agreement = "-" if row.get("agreement") is None else f"{row['agreement']:.0%}"
+    return [row["section"], row["name"], _number(row["ours"], row["unit"]), reference,
+            _ratio_text(row), agreement, target_text]  # fmt: skip
 
 
-HEADER = ["section", "measurement", "ours", "reference", "ratio (range)", "target"]
+HEADER = ["section", "measurement", "ours", "reference", "ratio (range)", "greedy agreement", "target"]  # fmt: skip
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """A line for each comparison that is not of like things, saying why."""
+    return [
+        f"{row['verdict'].upper()}: {row['section']}: {row['name']}: {row['why']}"
+        for row in rows
+        if row.get("verdict") in ("refused", "not comparable", "unchecked")
+    ]
 
 
 def table(rows: list[dict]) -> str:

@@ -23,7 +23,7 @@ from astrai.model import DTYPES
 from . import peer_llamacpp
 from .chart import Panel, write_chart
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
-from .report import markdown, table
+from .report import MARKS, markdown, table, verdicts
 from .sections import SECTIONS, Bench, limit_rows
 
 
@@ -208,7 +208,8 @@ def chart_panels(rows: list[dict]) -> list[Panel]:
     """Ratios against their references, and decode speed as a share of the roofline."""
     ratios = [
         (f"{r['section']}: {r['name']}" + ("" if r["reference_name"] == "transformers"
-         else f" vs {r['reference_name']}"), r["ratio"], r["target"])
+         else f" vs {r['reference_name']}") + MARKS.get(r.get("verdict"), ""), r["ratio"],
+         r["target"])
         for r in rows
         if r.get("ratio") is not None
     ]  # fmt: skip
@@ -231,11 +232,7 @@ def chart_panels(rows: list[dict]) -> list[Panel]:
 
 def summary(results: dict) -> str:
     """What the terminal shows at the end of a run."""
-    lines = [table(results["rows"]), ""]
-    agreement = results.get("greedy_agreement")
-    if agreement:
-        shares = ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.0%}" for k, v in agreement.items())
-        lines.append(f"greedy tokens in agreement (leading share): {shares}")
+    lines = [table(results["rows"]), "", *verdicts(results["rows"])]
     for note in results.get("notes", []):
         lines.append(note)
     for name, state in results["sections"].items():

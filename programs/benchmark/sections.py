@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import combinations, zip_longest
 from pathlib import Path
 
 import torch
@@ -25,15 +26,22 @@ from .limits import (
     weights_read_bandwidth,
 )
 from .models import Workload, random_prompts
-from .peer_llamacpp import generate_calls, peer_rows, prefill_calls
+from .peer_llamacpp import generate_calls, prefill_calls
 from .report import compare, figure
 from .timing import interleave, median, timed
+from .verify import Logits, agreement, forward_logits, generated, predicted, same_work, verdict
 
 # 2x transformers' batched generate, in float32 and bf16. The earlier 3x / 5x are out of
 # reach on a CPU: at 64 rows our bf16 products already run near the matmul peak (~725
 # GFLOP/s on 2 Zen 4 cores) and take 57 % of a step (docs/benchmarks.md, Targets).
 THROUGHPUT_TARGETS = {16: 2.0, 64: 2.0}
 TRAIN_HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "max_grad_norm": 1.0}
+# Which of our forwards rounds as each side does (verify.py): "ours" in the run's dtype with
+# --quantize, "float" in the run's dtype. A side not named (llama.cpp) cannot be reproduced.
+ROUNDS_LIKE = {
+    **dict.fromkeys(("engine", "loop", "prefill", "http", "direct", "serve"), "ours"),
+    **dict.fromkeys(("transformers", "forward", "ref_forward", "ref_prefill"), "float"),
+}
 
 
 @dataclass
@@ -56,9 +64,30 @@ class Bench:
     engine: object | None = None
     peer: object | None = None  # the llama.cpp peer (peer_llamacpp.Peer) with --peer llama.cpp
     quantize: str | None = None  # our weights in 8 bits ("int8"); the reference stays in dtype
+    forwards: dict = field(default_factory=dict)  # precision -> our forward's Logits
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         return random_prompts(n, self.work.prompt_len, self.cfg.vocab_size, seed)
+
+    def logits_in(self, precision: str) -> Logits:
+        """Our forward's logits in a precision: "exact" (float64 weights), "float" (the run's
+        dtype), "ours" (the run's dtype with --quantize); its weights made on first use."""
+
+        def logits(feed: tuple[int, ...]):
+            if precision not in self.forwards:
+                self.forwards[precision] = forward_logits(self._weights(precision), self.cfg)
+            return self.forwards[precision](feed)
+
+        return logits
+
+    def _weights(self, precision: str) -> dict:
+        if precision == "exact":
+            from astrai import load_pretrained
+
+            return load_pretrained(self.folder, dtype=torch.float64, device=self.device)[0]
+        if precision == "ours" and self.quantize:
+            return ours.prepared(self.params, self.cfg, self.quantize)
+        return self.params
 
     def note(self, text: str) -> None:
         """Something the reader of the results should know; printed and kept in the JSON."""
@@ -66,11 +95,14 @@ class Bench:
         self.log(text)
 
     def measure(
-        self, calls: dict[str, Callable], inputs: list, units: float, outputs=None, warm_up=True
-    ) -> dict[str, list[float]]:
+        self, calls: dict[str, Callable], inputs: list, units: float, outputs=None, warm_up=True,
+        keep=lambda out: out,
+    ) -> dict[str, list[float]]:  # fmt: skip
         """Warm every call up on inputs[0], then time each on inputs[r + 1] in interleaved
         rounds, one per input after the first -> {name: [units/s per round]}. outputs, when
-        given, collects what the calls return as outputs[name][round]."""
+        given, collects keep(what each call returned), taken after the timing, as
+        outputs[name][round]; units/s takes each call for the units of work, which the rows'
+        verification checks (verify.py)."""
         for call in calls.values() if warm_up else ():
             call(inputs[0])  # first calls pay for thread pools and allocator growth
 
@@ -78,7 +110,7 @@ class Bench:
             def run(r):
                 seconds, out = timed(lambda: call(inputs[r + 1]), self.device)
                 if outputs is not None:
-                    outputs.setdefault(name, {})[r] = out
+                    outputs.setdefault(name, {})[r] = keep(out)
                 return units / seconds
 
             return run
@@ -131,15 +163,61 @@ def _available(b: Bench, calls: dict) -> dict:
     return {k: v for k, v in calls.items() if k != "transformers" and not k.startswith("ref_")}
 
 
-def _reference_rows(b: Bench, section, rates, pairs, unit, targets=None) -> None:
-    """A compare row per (ours, reference, label), or our figure alone without a reference.
-    Targets are set for the real shapes; the tiny smoke model has none."""
+def _reference_rows(
+    b: Bench, section, rates, pairs, unit, targets=None, choices=None, against_peer=0
+) -> None:
+    """A compare row per (ours, reference, label), or our figure alone without a reference,
+    and a row of pairs[against_peer]'s side against each llama.cpp file. Targets are set for
+    the real shapes; the tiny smoke model has none."""
     for mine, theirs, label in pairs:
         target = (targets or {}).get(mine) if b.size != "tiny" else None
         if theirs in rates:
-            b.rows.append(compare(section, label, unit, rates[mine], rates[theirs], target=target))
+            pair = (mine, theirs)
+            b.rows.append(_compared(b, section, label, unit, rates, pair, choices, target=target))
         else:
             b.rows.append(figure(section, label, unit, median(rates[mine]), rates[mine]))
+    mine, _, label = pairs[against_peer]
+    for name in b.peer.names if b.peer is not None else ():
+        pair = (mine, name)
+        b.rows.append(_compared(b, section, f"{label} vs {name}", unit, rates, pair, choices, name))
+
+
+def _compared(
+    b: Bench, section, label, unit, rates, pair, choices=None, reference_name="transformers",
+    target=None, greedy=True,
+) -> dict:  # fmt: skip
+    """A compare row of the pair of sides (ours, theirs), verified (verify.py) when their
+    choices are given: the same work, and, for greedy sides, their agreement and whether
+    rounding explains where they part. A row whose sides did different work is refused: it
+    keeps no ratio."""
+    mine, theirs = pair
+    row = compare(section, label, unit, rates[mine], rates[theirs], reference_name, target)
+    if choices is None:
+        return row
+    if greedy:
+        rounded = tuple(b.logits_in(ROUNDS_LIKE[s]) if s in ROUNDS_LIKE else None for s in pair)
+        row |= verdict(pair, (choices[mine], choices[theirs]), b.logits_in("exact"), rounded)
+    else:
+        row |= same_work(pair, choices[mine], choices[theirs])
+    if row["verdict"] != "comparable":
+        row["met"] = None  # a target is met by a ratio of like things only
+    if row["verdict"] == "refused":
+        row |= {"ratio": None, "ratio_range": None}
+    return row
+
+
+def _choices(batches: list[list[list[int]]], outputs: dict, make=generated) -> dict:
+    """{side: [Choices]} of the measured rounds (outputs[side][round]: what each prompt of
+    batches[round + 1] got; a prompt without an answer gets none, an answer without a prompt
+    has an empty one: different work either way)."""
+    return {
+        side: [
+            make(prompt, out)
+            for r, outs in sorted(by_round.items())
+            for prompt, out in zip_longest(batches[r + 1], outs, fillvalue=())
+        ]
+        for side, by_round in outputs.items()
+    }
 
 
 # --- the limit -------------------------------------------------------------------------------
@@ -206,39 +284,22 @@ def decode(b: Bench) -> None:
     n = b.work.new_tokens
     limit(b)
     outputs: dict = {}
+    batches = [[prompt] for prompt in b.prompts(b.work.rounds + 1, seed=1)]
     with sides(b, ("engine", "loop", "transformers")) as generate:
-        calls = {k: lambda p, f=f: f([p], n)[0] for k, f in generate.items()}
-        calls |= {k: lambda p, f=f: f([p])[0] for k, f in generate_calls(b.peer, n).items()}
-        rates = b.measure(calls, b.prompts(b.work.rounds + 1, seed=1), n, outputs)
+        calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
+        rates = b.measure(calls | generate_calls(b.peer, n), batches, n, outputs)
     pairs = [
         ("engine", "transformers", "Engine, batch 1"),
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
     ]
-    _reference_rows(b, "decode", rates, pairs, "tok/s", {"engine": _decode_target(b)})
-    peer_rows(b, "decode", rates, "engine", "Engine, batch 1")
+    choices = _choices(batches, outputs)
+    targets = {"engine": _decode_target(b)}
+    _reference_rows(b, "decode", rates, pairs, "tok/s", targets, choices)
     b.shares.append(("decode", 1, rates, 50.0 if b.size == "smol" else None))
-    b.extra["greedy_agreement"] = _agreement(outputs)
-
-
-def _agreement(outputs: dict[str, dict[int, list[int]]]) -> dict[str, float]:
-    """How many leading greedy tokens two sides share, as a fraction (averaged over rounds).
-    Random weights give near-ties, so float rounding may split sides after a while; the
-    Engine and the loop run the same code and should agree fully."""
-
-    def leading(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-    result = {}
-    names = [n for n in outputs if outputs[n]]
-    for i, first in enumerate(names):
-        for second in names[i + 1 :]:
-            rounds = sorted(set(outputs[first]) & set(outputs[second]))
-            shares = [
-                leading(outputs[first][r], outputs[second][r]) / len(outputs[first][r])
-                for r in rounds
-            ]
-            result[f"{first}_vs_{second}"] = sum(shares) / len(shares)
-    return result
+    # every pair, the Engine and the loop too: they run the same code and should agree fully
+    b.extra["greedy_agreement"] = {
+        f"{x}_vs_{y}": agreement(choices[x], choices[y]) for x, y in combinations(choices, 2)
+    }
 
 
 def throughput(b: Bench) -> None:
@@ -250,12 +311,21 @@ def throughput(b: Bench) -> None:
         for c in b.work.concurrency:
             limit(b)
             batches = [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)]
-            rates = b.measure(calls, batches, c * n)
+            outputs: dict = {}
+            rates = b.measure(calls, batches, c * n, outputs)
             targets = {"engine": THROUGHPUT_TARGETS.get(c)}
             pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
-            _reference_rows(b, "throughput", rates, pairs, "tok/s", targets)
-            peer_rows(b, "throughput", rates, "engine", f"Engine, {c} concurrent requests")
+            choices = _choices(batches, outputs)
+            _reference_rows(b, "throughput", rates, pairs, "tok/s", targets, choices)
             b.shares.append(("throughput", c, rates, None))
+
+
+def _next_tokens(logits) -> list[list[int]]:
+    """A prefill's greedy choices per row: the argmax of our and transformers' logits
+    ([B, V], [B, T, V] or [B, 1, V]), llama.cpp's answer as it gives them."""
+    if isinstance(logits, dict):
+        return [[token] for token in logits["next"]]
+    return logits.argmax(-1).reshape(len(logits), -1).tolist()
 
 
 def prefill(b: Bench) -> None:
@@ -277,13 +347,14 @@ def prefill(b: Bench) -> None:
         "ref_prefill": lambda x: reference.forward(b.reference, x, last_only=True),
         **prefill_calls(b.peer),
     }
-    rates = b.measure(_available(b, calls), inputs, batch * length)
+    outputs: dict = {}
+    rates = b.measure(_available(b, calls), inputs, batch * length, outputs, keep=_next_tokens)
     pairs = [
         ("forward", "ref_forward", f"forward, {batch} x {length}, all logits"),
         ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
     ]
-    _reference_rows(b, "prefill", rates, pairs, "tok/s", {"prefill": 1.0})
-    peer_rows(b, "prefill", rates, "prefill", f"paged prefill, {batch} x {length}, last logits")
+    choices = _choices([x.tolist() for x in inputs], outputs, predicted)
+    _reference_rows(b, "prefill", rates, pairs, "tok/s", {"prefill": 1.0}, choices, 1)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -392,41 +463,54 @@ def _note_graph_breaks(b: Bench) -> None:
 
 
 def structured(b: Bench) -> None:
-    """Greedy decoding with every request held to a JSON grammar against free decoding, at
-    batch 1 and 16: what computing the masks costs (target: at most 10% at batch 16)."""
+    """Greedy decoding with every request held to a JSON grammar against free decoding on the
+    same Engine (the same weights, --quantize and tokenizer), at batch 1 and 16: what the
+    masks cost (target: at most 10% at batch 16). A grammar needs a byte-level tokenizer (the
+    run's word-level one has no bytes): both sides use one trained on JSON records, filled up
+    to the model's vocabulary so that every token free decoding picks decodes to text."""
     n = b.work.new_tokens
-    # A grammar needs a byte-level tokenizer (the run's word-level one has no bytes). Free
-    # decoding runs on the run's Engine, whose every token decodes to a short word: random
-    # weights under the JSON tokenizer would pick ids past its vocabulary, whose decoding
-    # costs more than the mask.
     tokenizer = ours.json_tokenizer(b.cfg.vocab_size)
-    json_engine = ours.make_engine(b.params, b.cfg, tokenizer, b.work, b.device, b.dtype)
-    constraint, free_engine = ours.endless_records(), engine_of(b)
+    engine = ours.make_engine(b.params, b.cfg, tokenizer, b.work, b.device, b.dtype, b.quantize)
+    constraint = ours.endless_records()
     calls = {
-        "constrained": lambda p: ours.engine_generate(json_engine, p, n, constraint=constraint),
-        "free": lambda p: ours.engine_generate(free_engine, p, n),
+        "constrained": lambda p: ours.engine_generate(engine, p, n, constraint=constraint),
+        "free": lambda p: ours.engine_generate(engine, p, n),
     }
-    for c in (1, 16):
-        batches = [b.prompts(c, seed=500 * c + r) for r in range(b.work.rounds + 1)]
-        rates = b.measure(calls, batches, c * n)
-        target = 0.9 if c == 16 and b.size != "tiny" else None
-        label = f"JSON-constrained decoding, batch {c}"
-        b.rows.append(compare("structured", label, "tok/s", rates["constrained"], rates["free"],
-                              "free decoding", target))  # fmt: skip
-    json_engine.close()
+    try:
+        for c in (1, 16):
+            batches = [b.prompts(c, seed=500 * c + r) for r in range(b.work.rounds + 1)]
+            outputs: dict = {}
+            rates = b.measure(calls, batches, c * n, outputs)
+            target = 0.9 if c == 16 and b.size != "tiny" else None
+            label = f"JSON-constrained decoding, batch {c}"
+            pair, choices = ("constrained", "free"), _choices(batches, outputs)
+            # the grammar makes the tokens differ: only the work is compared
+            row = _compared(b, "structured", label, "tok/s", rates, pair, choices,
+                            "free decoding", target, greedy=False)  # fmt: skip
+            b.rows.append(row)
+    finally:
+        engine.close()
 
 
 # --- serving -----------------------------------------------------------------------------------
 
 
+def _streamed(tokenizer):
+    """keep for measure: a stream load's completions as token ids (the benchmark's tokenizer
+    gives every token its own word, so its text encodes back to the very ids), other sides'
+    completions as they are."""
+    return lambda out: [tokenizer.encode(t) for t in out["texts"]] if isinstance(out, dict) else out
+
+
 def serve(b: Bench) -> None:
     """N clients streaming at once over HTTP, against the same Engine called directly."""
-    from .serving import latency_summary, serving, stream_load
+    from .serving import LATENCIES, latency_summary, serving, stream_load
 
     n, clients, rounds = b.work.new_tokens, b.work.clients, b.work.rounds
     engine = engine_of(b)
     batches = [b.prompts(clients, seed=7000 + r) for r in range(rounds + 1)]
     loads: list[dict] = []
+    outputs: dict = {}
     with serving(engine) as url:
 
         def over_http(batch):
@@ -435,16 +519,16 @@ def serve(b: Bench) -> None:
 
         stream_load(url, batches[0][:2], 4)  # warm-up: connections, first requests
         calls = {"http": over_http, "direct": lambda batch: ours.engine_generate(engine, batch, n)}
-        rates = b.measure(calls, batches, clients * n, warm_up=False)
+        keep = _streamed(b.tokenizer)
+        rates = b.measure(calls, batches, clients * n, outputs, warm_up=False, keep=keep)
     label = f"{clients} streaming clients over HTTP"
-    b.rows.append(compare("serve", label, "tok/s", rates["http"], rates["direct"], "Engine"))
+    pair, choices = ("http", "direct"), _choices(batches, outputs)
+    b.rows.append(_compared(b, "serve", label, "tok/s", rates, pair, choices, "Engine"))
     per_second = [clients / load["wall_s"] for load in loads]
     label = f"{clients} clients, requests"
     b.rows.append(figure("serve", label, "req/s", median(per_second), per_second))
-    for name, value in latency_summary(loads).items():
-        kind, q = name.split("_")[:2]
-        label = {"ttft": "time to first token", "itl": "inter-token latency"}[kind]
-        b.rows.append(figure("serve", f"{label} {q}", "ms", value))
+    for (kind, q), value in latency_summary(loads).items():
+        b.rows.append(figure("serve", f"{LATENCIES[kind]} p{q}", "ms", value))
 
 
 def isolated(b: Bench) -> None:
@@ -459,20 +543,22 @@ def isolated(b: Bench) -> None:
     threads = torch.get_num_threads()
     # a stream of one request is short, and a small machine's speed drifts by more than the
     # target's 5 % between rounds: three times the workload's rounds
-    prompts = b.prompts(3 * b.work.rounds + 1, seed=11)
+    batches = [[prompt] for prompt in b.prompts(3 * b.work.rounds + 1, seed=11)]
     if not (b.folder / "tokenizer.json").exists():  # just serve reads it from the folder
         b.tokenizer.save_pretrained(b.folder)
+    outputs: dict = {}
     with (
         sides(b, ("loop",)) as generate,
         serve_process(b.folder, dtype, b.quantize, threads) as url,
     ):
         calls = {
-            "serve": lambda p: stream_load(url, [p], n),
-            "loop": lambda p: generate["loop"]([p], n)[0],
+            "serve": lambda batch: stream_load(url, batch, n),
+            "loop": lambda batch: generate["loop"](batch, n),
         }
-        rates = b.measure(calls, prompts, n)
+        rates = b.measure(calls, batches, n, outputs, keep=_streamed(b.tokenizer))
     label = "just serve process, 1 streaming client vs the loop in a clean process"
-    b.rows.append(compare("isolated", label, "tok/s", rates["serve"], rates["loop"], "loop", 0.95))
+    pair, choices = ("serve", "loop"), _choices(batches, outputs)
+    b.rows.append(_compared(b, "isolated", label, "tok/s", rates, pair, choices, "loop", 0.95))
 
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {

@@ -1,5 +1,5 @@
 """Serving under load: the Starlette app on a loopback port (uvicorn, in this process) and N
-clients streaming completions at once, each timing its own chunks."""
+clients streaming completions at once, each timing the reads of its stream."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+from load.stream import handover_gaps, time_per_output_token, token_arrivals
 
 from .timing import percentile
 
@@ -31,12 +32,12 @@ def serving(engine) -> Iterator[str]:
 
 
 def _one_stream(url: str, prompt: list[int], new_tokens: int) -> dict:
-    """One streamed /v1/completions request -> its start, chunk arrival times and token count.
+    """One streamed /v1/completions request -> its start and its arrivals (load/stream.py).
 
-    A blocking http.client reader with msgspec parses a chunk in a few microseconds, where
-    httpx's async line iterator and json took ~0.5 ms of CPU per token: on a machine with two
-    cores that CPU is taken from the server's compute threads, and the figure would measure the
-    client."""
+    A blocking http.client reader keeps the client's CPU small (each read is only stamped and
+    kept; the events are parsed once the stream has ended), where httpx's async line iterator
+    and json took ~0.5 ms of CPU per token: on a machine with two cores that CPU is taken from
+    the server's compute threads, and the figure would measure the client."""
     body = msgspec.json.encode(
         {
             "model": MODEL_NAME,
@@ -50,52 +51,50 @@ def _one_stream(url: str, prompt: list[int], new_tokens: int) -> dict:
     address = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(address.hostname, address.port, timeout=600)
     start = time.perf_counter()
-    stamps, tokens = [], None
+    reads = []
     try:
         connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
         if response.status != 200:
             text = response.read().decode(errors="replace")
             raise RuntimeError(f"server answered {response.status}: {text[:300]}")
-        for line in response:  # http.client undoes the chunked transfer encoding
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = msgspec.json.decode(line[6:])
-            if any(choice.get("text") for choice in chunk.get("choices") or []):
-                stamps.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+        while data := response.read1(1 << 16):  # one read of what has arrived (de-chunked)
+            reads.append((time.perf_counter(), data))
     finally:
         connection.close()
-    if not stamps:
+    arrivals = token_arrivals(reads)
+    if not arrivals.stamps:
         raise RuntimeError("a stream ended without any text")
-    return {"start": start, "stamps": stamps, "tokens": tokens or len(stamps)}
+    return {"start": start, "arrivals": arrivals}
 
 
 def stream_load(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    """All prompts streamed concurrently, one client thread each -> wall time, tokens and
-    per-request latencies."""
+    """All prompts streamed concurrently, one client thread each -> wall time, each
+    completion's text and its latencies: time to first token, time per output token after
+    the first, and the gaps between hand-overs (tokens that arrive together are one)."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         results = list(pool.map(lambda p: _one_stream(url, p, new_tokens), prompts))
     wall = time.perf_counter() - start
-    for r in results:
-        if r["tokens"] != new_tokens:
-            raise RuntimeError(f"a stream gave {r['tokens']} tokens instead of {new_tokens}")
+    stamps = [r["arrivals"].stamps for r in results]
     return {
         "wall_s": wall,
-        "tokens": sum(r["tokens"] for r in results),
-        "ttft_s": [r["stamps"][0] - r["start"] for r in results],
-        "itl_s": [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])],
+        "texts": [r["arrivals"].text for r in results],
+        "ttft_s": [s[0] - r["start"] for s, r in zip(stamps, results)],
+        "tpot_s": [t for s in stamps if (t := time_per_output_token(s)) is not None],
+        "handover_s": [gap for s in stamps for gap in handover_gaps(s)],
     }
 
 
-def latency_summary(loads: list[dict]) -> dict[str, float]:
-    """Time to first token and inter-token latency percentiles in ms, pooled over every
-    request of every round."""
-    ttft = [t for load in loads for t in load["ttft_s"]]
-    itl = [t for load in loads for t in load["itl_s"]] or [0.0]
-    quantiles = (50, 90, 99)
-    return {f"ttft_p{q}_ms": percentile(ttft, q) * 1000 for q in quantiles} | {
-        f"itl_p{q}_ms": percentile(itl, q) * 1000 for q in quantiles
-    }
+LATENCIES = {
+    "ttft": "time to first token",
+    "tpot": "time per output token",
+    "handover": "gap between hand-overs",
+}
+
+
+def latency_summary(loads: list[dict]) -> dict[tuple[str, int], float]:
+    """{(kind, percentile): ms} for each kind of LATENCIES, pooled over every request (every
+    gap) of every round."""
+    pooled = {kind: [t for load in loads for t in load[f"{kind}_s"]] or [0.0] for kind in LATENCIES}
+    return {(kind, q): percentile(v, q) * 1000 for kind, v in pooled.items() for q in (50, 90, 99)}

@@ -1,5 +1,6 @@
 """The load generator's client: every job sent at its arrival time as a streamed
-/v1/completions request with the official `openai` async client, each chunk timed."""
+/v1/completions request with the official `openai` async client, each network read of the
+stream timed as it arrives and read as tokens afterwards (load/stream.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass, field
 
+from .stream import token_arrivals
 from .workloads import Job
 
 
@@ -16,7 +18,7 @@ class Outcome:
 
     index: int
     sent_s: float
-    chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    chunk_s: list[float] = field(default_factory=list)  # arrival of each token (chunk with text)
     completion_tokens: int | None = None  # from the final usage chunk
     finish_reason: str | None = None
     error: str | None = None
@@ -28,8 +30,9 @@ class Outcome:
 async def _one(client, model: str, job: Job, start: float) -> Outcome:
     await asyncio.sleep(max(0.0, start + job.arrival_s - time.perf_counter()))
     out = Outcome(job.index, time.perf_counter() - start)
+    reads = []
     try:
-        stream = await client.completions.create(
+        response = client.completions.with_streaming_response.create(
             model=model,
             prompt=job.prompt,
             max_tokens=job.output_len,
@@ -38,12 +41,12 @@ async def _one(client, model: str, job: Job, start: float) -> Outcome:
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                out.chunk_s.append(time.perf_counter() - start)
-                out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
-            if chunk.usage is not None:
-                out.completion_tokens = chunk.usage.completion_tokens
+        async with response as stream:
+            async for data in stream.iter_bytes():
+                reads.append((time.perf_counter() - start, data))
+        arrivals = token_arrivals(reads)
+        out.chunk_s, out.completion_tokens = arrivals.stamps, arrivals.completion_tokens
+        out.finish_reason = arrivals.finish_reason
     except Exception as exc:  # recorded, counted as a failed request
         out.error = f"{type(exc).__name__}: {exc}"
     return out

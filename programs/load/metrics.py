@@ -1,6 +1,6 @@
-"""One run's outcomes -> the figures serving benchmarks report: throughput, TTFT, ITL and
-end-to-end percentiles, goodput under a latency objective, and the accounting (lost,
-duplicated or short requests)."""
+"""One run's outcomes -> the figures serving benchmarks report: throughput, TTFT, TPOT,
+hand-over gap and end-to-end percentiles, goodput under a latency objective, and the
+accounting (lost, duplicated or short requests)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from benchmark.timing import percentile as timed_percentile
 
 from .client import Outcome
+from .stream import handover_gaps, time_per_output_token
 from .workloads import Job
 
 QUANTILES = (50, 90, 99)
@@ -17,10 +18,10 @@ QUANTILES = (50, 90, 99)
 @dataclass(frozen=True)
 class Objective:
     """A request is good when its first token came within ttft_ms and its tokens after that
-    came on average within itl_ms each (vLLM's TTFT and TPOT objectives)."""
+    came on average within tpot_ms each (vLLM's TTFT and TPOT objectives)."""
 
     ttft_ms: float
-    itl_ms: float
+    tpot_ms: float
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,19 +46,11 @@ def summarize(jobs: list[Job], outcomes: list[Outcome], wall_s: float, slo: Obje
     arrival = {job.index: job.arrival_s for job in jobs}
     ttft = [(o.chunk_s[0] - o.sent_s) * 1000 for o in ok]
     e2e = [(o.chunk_s[-1] - o.sent_s) * 1000 for o in ok]
-    itl = [(b - a) * 1000 for o in ok for a, b in zip(o.chunk_s, o.chunk_s[1:])]
-    tpot = [
-        (o.chunk_s[-1] - o.chunk_s[0]) * 1000 / (len(o.chunk_s) - 1)
-        for o in ok
-        if len(o.chunk_s) > 1
-    ]
+    per_token = [time_per_output_token(o.chunk_s) for o in ok]  # None for a one-token request
+    handover = [gap * 1000 for o in ok for gap in handover_gaps(o.chunk_s)]
     good = sum(
-        (o.chunk_s[0] - o.sent_s) * 1000 <= slo.ttft_ms
-        and (
-            len(o.chunk_s) < 2
-            or (o.chunk_s[-1] - o.chunk_s[0]) * 1000 / (len(o.chunk_s) - 1) <= slo.itl_ms
-        )
-        for o in ok
+        first <= slo.ttft_ms and (tpot or 0.0) * 1000 <= slo.tpot_ms
+        for first, tpot in zip(ttft, per_token)
     )
     # late sends (the client fell behind its schedule) would flatter the latencies: report them
     lag = [o.sent_s - arrival[o.index] for o in outcomes]
@@ -70,7 +63,8 @@ def summarize(jobs: list[Job], outcomes: list[Outcome], wall_s: float, slo: Obje
         "good_fraction": good / len(jobs),
         "send_lag_max_ms": max(lag) * 1000 if lag else 0.0,
     }
-    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e), ("tpot", tpot)):
+    tpot = [t * 1000 for t in per_token if t is not None]
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("handover", handover), ("e2e", e2e)):
         for q in QUANTILES:
             figures[f"{name}_p{q}_ms"] = percentile(values, q)
     return figures

@@ -8,7 +8,8 @@ from pathlib import Path
 PANELS = [
     ("output tokens / s", ["output_tok_s"]),
     ("time to first token (ms)", ["ttft_p50_ms", "ttft_p99_ms"]),
-    ("inter-token latency (ms)", ["itl_p50_ms", "itl_p99_ms"]),
+    ("time per output token (ms)", ["tpot_p50_ms", "tpot_p99_ms"]),
+    ("gap between hand-overs (ms)", ["handover_p50_ms", "handover_p99_ms"]),
     ("end-to-end latency (ms)", ["e2e_p50_ms", "e2e_p99_ms"]),
 ]
 
@@ -37,7 +38,7 @@ def draw(results: dict, out_dir: Path) -> list[Path]:
             ax.set_title(title, fontsize=10)
             ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates], fontsize=8)
             ax.set_xlabel("arrival rate (Poisson)", fontsize=8)
-            if "latency" in title or "first" in title:
+            if "(ms)" in title:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
         axes[-1].legend(fontsize=7, loc="best")
