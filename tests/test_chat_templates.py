@@ -212,10 +212,9 @@ def test_extra_template_arguments_reach_published_templates_as_in_transformers(b
     assert rendered >= len(EXTRAS)
 
 
-def test_llama_reads_date_string_and_custom_tools():
+def test_llama_reads_date_string_and_custom_tools(backend):
     """The published arguments change what a published template writes, here as in
     transformers (the comparison above)."""
-    backend = Tokenizer.train(["a"], vocab_size=260).backend
     ours, _ = ours_and_theirs(backend, (TEMPLATE_DIR / "llama3.2-tools.jinja").read_text())
     dated = ours.apply_chat_template([USER], date_string="01 Dec 2026")
     assert "Today Date: 01 Dec 2026" in dated

@@ -52,7 +52,7 @@ def test_choice_picks_the_most_likely_option_three_ways(model_dir, tmp_path):
         scores = [option_logprob(model, encode(prompt), encode(moved + o)) for o in r["choices"]]
         sums = [s for s, _ in scores]
         per_token = [s / n for s, n in scores]
-        per_byte = [s / len((moved + o).encode()) for (s, _), o in zip(scores, r["choices"])]
+        per_byte = [s / len(o.encode()) for (s, _), o in zip(scores, r["choices"])]
         for name, values in zip(expected, (sums, per_token, per_byte)):
             expected[name] += values.index(max(values)) == r["answer"]
     assert metrics == {**{k: v / len(records) for k, v in expected.items()}, "records": 3}

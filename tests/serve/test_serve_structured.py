@@ -108,8 +108,8 @@ def test_json_schema_streams(client):
 
 
 def test_json_object_on_text_completions(client):
-    # Any object: strings of any length, so about a quarter of the samples run to max_tokens
-    # (checked as the start of an object); of eight, some close.
+    # Any object: its strings may run on, so some samples reach max_tokens (each checked as the
+    # start of an object); of eight, some close.
     finishes = []
     for seed in range(8):
         r = client.completions.create(
