@@ -8,16 +8,18 @@ here (tokenizer.json, tokenizer_config.json, chat template, generation_config.js
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension
@@ -159,10 +161,42 @@ def _token_name(value) -> str | None:
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _template_message(message: dict) -> dict:
-    """A message as transformers hands it to the template: keys holding None dropped (templates
-    test for a missing key, not for None), content as given (a string or a list of parts), and
-    reasoning under each name templates read it by."""
+def _plain(value):
+    """What a template may see of a value, as transformers rebuilds it: JSON types (subclasses
+    such as enums stripped to their base type), mappings, lists and tuples rebuilt from them,
+    dataclasses and Pydantic models as dicts, and anything else as a placeholder naming its
+    type ("<ndarray>"): a rich object's methods are a way out of the sandbox."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _template_message(message) -> dict:
+    """A message as transformers hands it to the template: plain data (a dataclass or Pydantic
+    message becomes a dict), keys holding None dropped (templates test for a missing key, not
+    for None), content as given (a string or a list of parts), and reasoning under each name
+    templates read it by."""
+    message = _plain(message)
+    if not isinstance(message, dict):
+        raise TypeError(f"a chat message must be a dict, got {message!r}")
     message = {k: v for k, v in message.items() if v is not None}
     reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
     if reasoning is not None:
@@ -361,21 +395,28 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
         **template_vars: Any,
     ) -> str:
         """Render a conversation as text, exactly as transformers' `apply_chat_template(...,
         tokenize=False)` does. Messages are {"role", "content"} dicts (content a string or a
         list of parts, handed to the template as given); assistant messages may carry
-        "tool_calls". Extra keyword arguments (e.g. enable_thinking) go to the template."""
-        return self._render(messages, add_generation_prompt, tools, template_vars)
+        "tool_calls". `tools` are JSON schemas, `documents` dicts for retrieval-augmented
+        templates (e.g. {"title", "text"}); extra keyword arguments (enable_thinking,
+        date_string, ...) go to the template as variables, overriding the special tokens."""
+        return self._render(messages, add_generation_prompt, tools, documents, template_vars)
 
     def generation_spans(
-        self, messages: list[dict], tools: list[dict] | None = None, **template_vars: Any
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **template_vars: Any,
     ) -> tuple[str, list[tuple[int, int]]]:
         """(rendering, [(start, end), ...]): the conversation rendered without a generation
         prompt, and the character spans its `{% generation %}` blocks cover (what transformers'
         `return_assistant_tokens_mask` marks). No spans for a template without the tag."""
-        marked = self._render(messages, False, tools, {**template_vars, _TRACK: True})
+        marked = self._render(messages, False, tools, documents, {**template_vars, _TRACK: True})
         if _GEN_START in "".join(str(m.get("content", "")) for m in messages):
             raise ValueError("a message contains U+E000, which marks generation blocks")
         spans, text, at = [], [], 0
@@ -389,25 +430,42 @@ class Tokenizer:
                 at += len(piece)
         return "".join(text), spans
 
-    def _render(self, messages, add_generation_prompt, tools, template_vars, empty=False) -> str:
+    def _render(
+        self, messages, add_generation_prompt, tools, documents, template_vars, empty=False
+    ) -> str:
+        """The template rendered with what transformers hands it: the messages, tools,
+        documents, generation prompt flag, and the special tokens overridden by the caller's
+        variables, all as plain data."""
         if not messages and not empty:  # as transformers; chat_segments renders [] to diff
             raise ValueError("Cannot apply a chat template to an empty conversation.")
+        for i, document in enumerate(documents or ()):
+            if not isinstance(document, dict):
+                raise TypeError(
+                    f"documents[{i}] must be a dict (e.g. title and text), got {document!r}"
+                )
+        for i, tool in enumerate(tools or ()):
+            if not isinstance(tool, dict):
+                raise TypeError(f"tools[{i}] must be a JSON schema dict, got {tool!r}")
         special = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
         }
+        variables = {**{k: v for k, v in special.items() if v is not None}, **template_vars}
         return _compile(self.template_for(tools)).render(
             messages=[_template_message(m) for m in messages],
-            tools=tools,
-            documents=None,
+            tools=_plain(tools),
+            documents=_plain(documents),
             add_generation_prompt=add_generation_prompt,
-            **{**{k: v for k, v in special.items() if v is not None}, **template_vars},
+            **_plain(variables),
         )
 
-    def chat_segments(self, messages: list[dict], tools=None) -> list[tuple[str, str]]:
-        """Cut `apply_chat_template(messages, add_generation_prompt=False)` into (text, role)
-        pieces whose concatenation is exactly that rendering.
+    def chat_segments(
+        self, messages: list[dict], tools=None, documents=None, **template_vars: Any
+    ) -> list[tuple[str, str]]:
+        """Cut `apply_chat_template(messages, add_generation_prompt=False, tools=tools,
+        documents=documents, **template_vars)` into (text, role) pieces whose concatenation is
+        exactly that rendering.
 
         Every assistant message gives exactly one "assistant" piece, in order: its content and
         tool calls up to and including its end-of-turn token. The header the template writes
@@ -421,11 +479,12 @@ class Tokenizer:
         """
         if not messages:
             return []
-        full = self.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
+        context = (tools, documents, template_vars)
+        full = self._render(messages, False, *context)
 
         def boundary(k: int, prompt: bool) -> int:
             try:
-                text = self._render(messages[:k], prompt, tools, {}, empty=True)
+                text = self._render(messages[:k], prompt, *context, empty=True)
             except Exception:  # some templates refuse an empty or unfinished conversation
                 text = ""
             return _common_prefix_len(text, full)
@@ -451,7 +510,8 @@ class Tokenizer:
                 ]
             start = end
         if _GENERATION_TAG.search(self.template_for(tools)):
-            pieces = _relabel(pieces, self.generation_spans(messages, tools)[1])
+            spans = self.generation_spans(messages, tools, documents, **template_vars)[1]
+            pieces = _relabel(pieces, spans)
         return [(text, role) for text, role in pieces if text or role == "assistant"]
 
 

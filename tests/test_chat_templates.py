@@ -10,15 +10,19 @@ fail with the same kind of error.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
 from astrai.tokenizer import Tokenizer
 
-TEMPLATES = sorted((Path(__file__).parent / "chat_templates").glob("*.jinja"))
+TEMPLATE_DIR = Path(__file__).parent / "chat_templates"
+TEMPLATES = sorted(TEMPLATE_DIR.glob("*.jinja"))
 
 WEATHER = {
     "type": "function",
@@ -172,12 +176,134 @@ def test_published_templates_render_as_transformers_does(backend, path):
                 COUNT["renderings"] += 1
                 COUNT["equal strings" if kind == "ok" else "same error"] += 1
                 rendered += kind == "ok"
-    # extra template variables reach the template as they do in transformers
-    for extra in ({"enable_thinking": False}, {"date_string": "01 Dec 2026"}):
-        compare(
-            ours, theirs, CONVERSATIONS["multi-turn"], None, add_generation_prompt=True, **extra
-        )
     assert rendered >= len(CONVERSATIONS)  # most conversations are rendered, not refused
+
+
+DOCUMENTS = [
+    {"doc_id": 1, "title": "Paris", "text": "Sunny, 22 C."},
+    {"doc_id": 2, "title": "Lyon", "text": "Rain all day."},
+]
+# Arguments beyond the messages: retrieval documents, switches and strings that published
+# templates read (Qwen3's enable_thinking, Llama 3's date_string and custom_tools, Granite's
+# controls), special tokens overridden by the caller, and names no template knows.
+EXTRAS = {
+    "documents": {"documents": DOCUMENTS},
+    "thinking off": {"enable_thinking": False},
+    "thinking on": {"enable_thinking": True, "thinking": True},
+    "date": {"date_string": "01 Dec 2026"},
+    "llama custom tools": {"custom_tools": [WEATHER], "tools_in_user_message": True},
+    "controls": {"controls": {"citations": True, "length": "short"}},
+    "special tokens": {"bos_token": "<s>", "eos_token": "</s>"},
+    "arbitrary": {"anything": ["a", 1, None], "nested": {"x": (1, 2.5)}},
+}
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
+def test_extra_template_arguments_reach_published_templates_as_in_transformers(backend, path):
+    ours, theirs = ours_and_theirs(backend, path.read_text(encoding="utf-8"))
+    rendered = 0
+    for extra in EXTRAS.values():
+        for name in ("system-user", "tool-call-dict"):
+            for tools in TOOLS.values():
+                kind, _ = compare(
+                    ours, theirs, CONVERSATIONS[name], tools, add_generation_prompt=True, **extra
+                )
+                rendered += kind == "ok"
+    assert rendered >= len(EXTRAS)
+
+
+def test_llama_reads_date_string_and_custom_tools(backend):
+    """The published arguments change what a published template writes, here as in
+    transformers (the comparison above)."""
+    ours, _ = ours_and_theirs(backend, (TEMPLATE_DIR / "llama3.2-tools.jinja").read_text())
+    dated = ours.apply_chat_template([USER], date_string="01 Dec 2026")
+    assert "Today Date: 01 Dec 2026" in dated
+    with_tools = ours.apply_chat_template(
+        [USER], custom_tools=[WEATHER], tools_in_user_message=True
+    )
+    assert "get_weather" in with_tools and "get_weather" not in dated
+
+
+# What a retrieval-augmented template (as Granite's) reads: documents with ids, a controls dict,
+# a thinking switch, a date, and the tools.
+RAG_TEMPLATE = """\
+{%- set date = date_string if date_string is defined else 'no date' -%}
+<system>{{ date }}{% if enable_thinking %} think first{% endif %}\
+{% if 'citations' in controls %} cite documents{% endif %}</system>
+{%- for tool in tools or [] %}
+<tool>{{ tool.function.name }}</tool>
+{%- endfor %}
+{%- for document in documents or [] %}
+<document id="{{ document['doc_id'] | string }}" title="{{ document.title }}">\
+{{ document['text'] }}</document>
+{%- endfor %}
+{%- for message in messages %}
+<{{ message.role }}>{{ message.content }}</{{ message.role }}>
+{%- endfor %}
+{%- if add_generation_prompt %}
+<assistant>{% if controls %}{{ controls | tojson }}{% endif %}{% endif %}"""
+
+
+def test_documents_and_extra_arguments_reach_a_retrieval_template(backend):
+    ours, theirs = ours_and_theirs(backend, RAG_TEMPLATE)
+    extra = {"controls": {"citations": True}, "enable_thinking": True, "date_string": "Dec 1"}
+    flags = {"add_generation_prompt": True, "documents": DOCUMENTS, **extra}
+    text = compare(ours, theirs, [USER], [WEATHER], **flags)[1]
+    assert text == (
+        "<system>Dec 1 think first cite documents</system>"
+        "<tool>get_weather</tool>"
+        '<document id="1" title="Paris">Sunny, 22 C.</document>'
+        '<document id="2" title="Lyon">Rain all day.</document>'
+        "<user>What is the weather in Paris?</user>"
+        '<assistant>{"citations": true}'
+    )
+    plain = compare(ours, theirs, [USER], None, add_generation_prompt=False)[1]
+    assert plain == "<system>no date</system><user>What is the weather in Paris?</user>"
+    # the SFT pieces of a conversation rendered with documents add up to that rendering
+    answer = [USER, {"role": "assistant", "content": "Sunny."}]
+    pieces = ours.chat_segments(answer, documents=DOCUMENTS, **extra)
+    assert "".join(t for t, _ in pieces) == ours.apply_chat_template(
+        answer, add_generation_prompt=False, documents=DOCUMENTS, **extra
+    )
+    assert [t for t, role in pieces if role == "assistant"] == ["Sunny.</assistant>"]
+
+
+class Level(int, enum.Enum):
+    HIGH = 3
+
+
+@dataclasses.dataclass
+class Place:
+    city: str
+    rank: int
+
+
+def test_rich_values_reach_the_template_as_plain_data_as_in_transformers(backend):
+    """transformers rebuilds what a template sees from plain JSON types (an enum as its value,
+    dataclasses as dicts, anything else as a placeholder naming its type): the same here."""
+    template = (
+        "{{ level }}|{{ pair }}|{{ place.city }}{{ place.rank + 1 }}|{{ count + 1 }}|{{ obj }}|"
+        "{{ messages[0].content }}|{{ documents[0].source }}"
+    )
+    ours, theirs = ours_and_theirs(backend, template)
+    values = {
+        "level": Level.HIGH,
+        "pair": (1, Level.HIGH),
+        "place": Place("Paris", 2),
+        "count": np.int64(41),
+        "obj": object(),
+    }
+    messages = [{"role": "user", "content": Level.HIGH}]
+    documents = [{"source": Place("Lyon", 1), "text": "x"}]
+    text = compare(ours, theirs, messages, None, documents=documents, **values)[1]
+    assert text == "3|(1, 3)|Paris3|42|<object>|3|{'city': 'Lyon', 'rank': 1}"
+
+
+def test_documents_must_be_dicts(backend):
+    ours, theirs = ours_and_theirs(backend, RAG_TEMPLATE)
+    compare(ours, theirs, [USER], None, documents=["just text"])  # both a TypeError
+    with pytest.raises(TypeError, match=r"documents\[0\] must be a dict"):
+        ours.apply_chat_template([USER], documents=["just text"])
 
 
 def test_the_templates_cover_the_families():

@@ -67,6 +67,17 @@ def test_bits_per_byte_by_hand(model_dir, tmp_path):
     )
 
 
+def test_rolling_windows_by_hand():
+    """Ten tokens after the prefix 0, windows of 4: each scores the next 4 tokens (the last
+    scores what is left, after as much context as still fits in 4 model inputs)."""
+    assert rolling_pairs(0, list(range(1, 11)), 4) == [
+        ([0], [1, 2, 3, 4]),
+        ([4], [5, 6, 7, 8]),
+        ([6, 7, 8], [9, 10]),
+    ]
+    assert rolling_pairs(0, [1, 2], 4) == [([0], [1, 2])]
+
+
 def test_rolling_windows_score_each_token_once_with_the_context_that_fits(short_model_dir):
     """Texts longer than the context: each window sees at most max_len tokens, the sum over
     windows equals scoring token by token with the same truncated context."""

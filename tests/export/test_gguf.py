@@ -15,7 +15,8 @@ import astrai as ai
 from astrai.config import RopeScaling
 from astrai.export import GGUFExportError, save_gguf
 from astrai.export.gguf import rotary_permute
-from astrai.export.gguf_vocab import CONTROL, NORMAL, UNUSED
+from astrai.export.gguf_vocab import CONTROL, NORMAL, UNUSED, USER_DEFINED
+from astrai.tokenizer import CHATML_SPECIALS
 
 gguf = pytest.importorskip("gguf", reason='GGUF export needs the gguf package (".[export]")')
 
@@ -114,8 +115,10 @@ def test_smaller_types_round_within_their_precision(tmp_path, tokenizer, type):
     assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"  # vectors stay exact
 
 
-def test_metadata_and_vocabulary(tmp_path, tokenizer):
+def test_metadata_and_vocabulary(tmp_path):
     cfg = ai.ModelConfig(**{**_fields(CFG), "rope_scaling": RopeScaling("linear", 2.0)})
+    tokenizer = ai.Tokenizer.train(TEXTS, vocab_size=300, split_digits=True)
+    tokenizer.backend.add_tokens(["<note>"])  # added, not special: llama.cpp's user-defined
     save_gguf(tmp_path / "m.gguf", ai.init_params(cfg), cfg, tokenizer)
     fields, _ = read(tmp_path / "m.gguf")
     assert fields["llama.attention.head_count_kv"] == 2
@@ -127,8 +130,12 @@ def test_metadata_and_vocabulary(tmp_path, tokenizer):
     assert len(tokens) == CFG.vocab_size
     vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
     assert all(tokens[i] == t for t, i in vocab.items())
-    assert types[tokenizer.token_to_id("<|im_end|>")] == CONTROL
-    assert types[tokenizer.token_to_id("hello")] == NORMAL if "hello" in vocab else True
+    specials = [tokenizer.token_to_id(t) for t in CHATML_SPECIALS]
+    assert [types[i] for i in specials] == [CONTROL] * len(CHATML_SPECIALS)
+    assert types[tokenizer.token_to_id("<note>")] == USER_DEFINED
+    hello = tokenizer.encode("hello world")  # ids the vocabulary holds, whatever BPE merged
+    assert hello and all(types[i] == NORMAL for i in hello)
+    assert types.count(NORMAL) == len(vocab) - len(CHATML_SPECIALS) - 1  # all the others
     assert types[CFG.vocab_size - 1] == UNUSED  # embedding rows beyond the tokenizer
     assert fields["tokenizer.ggml.eot_token_id"] == tokenizer.token_to_id("<|im_end|>")
     assert fields["tokenizer.chat_template"] == tokenizer.chat_template

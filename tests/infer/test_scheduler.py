@@ -138,14 +138,16 @@ def test_without_chunked_prefill_a_step_feeds_whole_prompts_and_decodes_nothing(
 def test_while_streams_decode_prompts_get_the_smaller_budget():
     pool = init_pages(CFG, 64, 4)
     s = init_scheduler(pool, 4, 8, 16, prefill_chunk_decoding=4)
-    long = Sequence("long", list(range(16)) * 3, 48)
-    s = add_sequence(s, long)
+    first = Sequence("first", list(range(16)) * 2, 3)
+    s, plan = step(add_sequence(s, first))
+    assert plan.prefill == [(first, 16)] and plan.decode == []  # nobody decodes: all of it
     s, plan = step(s)
-    assert [n for _, n in plan.prefill] == [16]  # nobody decodes: the whole budget
-    short = Sequence("short", [1, 2, 3], 3)
-    s = add_sequence(s, short)
-    s, _ = step(s)
+    assert plan.prefill == [(first, 16)]
+    long = Sequence("long", list(range(15, -1, -1)) * 3, 48)  # nothing in common with first
+    s = add_sequence(s, long)
+    budgets = []  # while `first` decodes, the prompt tokens of each step
     while long.pending > 1:
         s, plan = step(s)
-        if plan.decode:
-            assert sum(n for _, n in plan.prefill) <= 4
+        assert plan.decode == [first]
+        budgets.append(sum(n for _, n in plan.prefill))
+    assert budgets == [4] * 12

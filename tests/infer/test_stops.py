@@ -42,6 +42,8 @@ def test_only_a_possible_stop_start_is_held(held, stops):
     if matched is None:
         assert out + kept == held
         assert kept == "" or any(s.startswith(kept) and s != kept for s in stops)
+    else:  # what precedes the stop string is emitted, nothing after it is kept
+        assert matched in stops and held.startswith(out + matched) and kept == ""
 
 
 def test_split_stop_string():

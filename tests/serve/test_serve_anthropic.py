@@ -167,7 +167,7 @@ def test_tool_choice(client):
     )
     assert m.content[-1].type == "tool_use" and m.content[-1].input == {"city": "Paris"}
     m = create(client, WEATHER, tools=TOOLS, tool_choice={"type": "none"}, max_tokens=4)
-    assert all(b.type == "text" for b in m.content)
+    assert m.content and all(b.type == "text" for b in m.content)
     with pytest.raises(anthropic.BadRequestError):
         create(client, WEATHER, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"})
 

@@ -95,6 +95,7 @@ def test_grpo_trains_from_rollouts_handed_to_the_loop(tmp_path):
     state = train(cfg, batches=BatchSource({"round": 0}, rollouts))
     assert state.step == 8 and state.cursor == {"round": 8}
     records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [5, 8]  # log_every 5, and the last step
     assert all("kl" in r and "clip_fraction" in r for r in records)
 
 

@@ -2,8 +2,9 @@
 same weights as one process, 1/N of the state per rank, sharded checkpoints that resume at
 another world size and survive a killed rank.
 
-Tolerances come from float32's machine epsilon (a local helper: the run's sums are taken in
-another order over ranks, so results agree to rounding, not bit for bit).
+Tolerances come from the dtype and the computation (tests/numerics.py): the ranks take the
+run's sums in another order, so results agree to rounding, not bit for bit, and
+`step_roundings` follows that rounding through an optimizer step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import time
 
 import pytest
 import torch
+from numerics import approx, forward_roundings, gradient_roundings
 from tiny_run import ROOT, TINY, run_program, tiny_config, write_toml
 
+from astrai.config import OptimizerConfig
 from astrai.model import init_params, load_pretrained
 from astrai.train.checkpoint import latest_checkpoint
 
@@ -28,9 +31,7 @@ TRAIN = str(ROOT / "programs" / "train.py")
 PROBE = str(ROOT / "tests" / "train" / "sharded_probe.py")
 
 
-def tolerance(dtype: torch.dtype, factor: float) -> float:
-    """factor times the dtype's machine epsilon."""
-    return factor * torch.finfo(dtype).eps
+EPS = torch.finfo(torch.float32).eps
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300):
@@ -65,57 +66,97 @@ def train(tmp_path, name: str, nproc: int, cfg: dict):
     return load_pretrained(tmp_path / name / "model")[0]
 
 
-# SGD's update is linear in the gradient, so rounding differences stay rounding-sized: each
-# step moves a weight by lr * g with g summed in another order (relative error ~ a few eps
-# times the number of terms). AdamW divides by sqrt(v): where a gradient is all cancellation
-# its rounding becomes a full step, so its bound is a small multiple of lr per step.
+def batch_tokens(cfg: dict) -> int:
+    return cfg["batch_size"] * cfg["data"]["seq_len"]
+
+
+def step_roundings(cfg: dict) -> float:
+    """The roundings in a step of two runs whose gradients are summed in another order,
+    relative to the step's size.
+
+    A gradient carries gradient_roundings relative to its terms, and once more through the clip
+    factor computed from its norm. SGD's step, lr times a geometric sum of the gradients, keeps
+    that relative size. AdamW's, lr * m / (sqrt(v) + eps), changes by at most
+    (1 + |m| / sqrt(v)) / eps times a change of the gradients, with |m| <= 1.01 sqrt(v) over a
+    few steps with these betas (Cauchy-Schwarz over the moments' weights), while it is at
+    least |m| / (2 eps) when eps is at least every element of the clipped gradient: 2.01 * 2
+    times the gradient's relative rounding. (With eps = 1e-8 instead, a gradient that is all
+    cancellation would take a whole step either way.)"""
+    opt = OptimizerConfig(**cfg["optimizer"])
+    gradient = 2 * gradient_roundings(TINY, cfg["data"]["seq_len"], batch_tokens(cfg))
+    if opt.name == "sgd":
+        return gradient
+    assert opt.name == "adamw" and opt.eps >= opt.max_grad_norm > 0
+    return 2.01 * 2 * gradient
+
+
+def assert_same_weights(a: dict, b: dict, cfg: dict, steps: int) -> None:
+    """a's weights are b's up to the rounding of `steps` steps: each tensor apart by at most
+    step_roundings eps times the largest distance training moved it in b (the errors of a sum
+    are relative to its terms), and each step rounds the weight itself once (rtol)."""
+    start = init_params(TINY, seed=cfg.get("seed", 0))
+    for k in a:
+        moved = (b[k] - start[k]).abs().max().item()
+        atol = step_roundings(cfg) * EPS * moved
+        torch.testing.assert_close(a[k], b[k], rtol=steps * EPS, atol=atol, msg=k)
+
+
+def loss_roundings(cfg: dict) -> int:
+    """A logged loss: the forward pass, the log-softmax over the vocabulary, the mean over the
+    batch's tokens."""
+    seq_len = cfg["data"]["seq_len"]
+    return forward_roundings(TINY, seq_len) + TINY.vocab_size + batch_tokens(cfg)
+
+
+def norm_roundings(cfg: dict) -> int:
+    """A logged gradient norm: the gradients, then the sum of their squares."""
+    whole = sum(v.numel() for v in init_params(TINY).values())
+    return gradient_roundings(TINY, cfg["data"]["seq_len"], batch_tokens(cfg)) + whole
+
+
+def assert_same_logs(run, reference, cfg: dict) -> None:
+    for a, b in zip(logged(run), logged(reference), strict=True):
+        assert a["loss"] == approx(b["loss"], loss_roundings(cfg))
+        assert a["grad_norm"] == approx(b["grad_norm"], norm_roundings(cfg))
+
+
+# AdamW with eps at least every element of the clipped gradient: its step stays a bounded
+# function of the gradients (step_roundings).
 OPTIMIZERS = {
-    "sgd": ({"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}, None),
-    "adamw": ({"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.05}, 1e-3),
+    "sgd": {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05},
+    "adamw": {"name": "adamw", "lr": 1e-2, "eps": 0.05, "weight_decay": 0.1, "max_grad_norm": 0.05},
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_sharded_ranks_match_one_process(tmp_path, optimizer):
-    opt, lr = OPTIMIZERS[optimizer]
-    cfg = sharded_config(optimizer=opt)
+    cfg = sharded_config(optimizer=OPTIMIZERS[optimizer])
+    steps = cfg["max_steps"]
     one = train(tmp_path, "one", 1, cfg)
     start = init_params(TINY, seed=cfg.get("seed", 0))
-    assert any(not torch.allclose(start[k], one[k]) for k in one)  # training moved the weights
+    assert all(not torch.equal(start[k], one[k]) for k in one)  # training moved every tensor
     for nproc in (2, 4) if optimizer == "sgd" else (2,):
-        many = train(tmp_path, f"sharded{nproc}", nproc, cfg)
-        for k in one:
-            rtol = tolerance(torch.float32, 1000)
-            # A near-cancelling AdamW gradient may flip the sign of its step: 2 lr per step.
-            atol = tolerance(torch.float32, 1000) if lr is None else 2 * lr * cfg["max_steps"]
-            torch.testing.assert_close(many[k], one[k], rtol=rtol, atol=atol, msg=k)
-        if lr is not None:  # and almost every weight agrees to rounding
-            flat = torch.cat([(many[k] - one[k]).abs().flatten() for k in one])
-            assert (flat > tolerance(torch.float32, 1000)).float().mean() < 0.01
+        assert_same_weights(train(tmp_path, f"sharded{nproc}", nproc, cfg), one, cfg, steps)
     # The logged losses and gradient norms agree as well.
-    log, ref = logged(tmp_path / "sharded2"), logged(tmp_path / "one")
-    for a, b in zip(log, ref, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.float32, 100))
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
+    assert_same_logs(tmp_path / "sharded2", tmp_path / "one", cfg)
 
 
 @pytest.mark.slow
 def test_sharded_bf16_matches_one_process_in_bf16(tmp_path):
     # bf16 compute, float32 weights: a rank computes its rows in other blocks than one process
     # does, so the gradients, and the steps taken, agree to a few bf16 roundings.
-    sgd = {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}
-    cfg = sharded_config(optimizer=sgd, precision="bfloat16")
+    cfg = sharded_config(optimizer=OPTIMIZERS["sgd"], precision="bfloat16")
     one = train(tmp_path, "one", 1, cfg)
     two = train(tmp_path, "two", 2, cfg)
     start = init_params(TINY, seed=0)
     moved = torch.cat([(one[k] - start[k]).flatten() for k in one])
     apart = torch.cat([(two[k] - one[k]).flatten() for k in one])
     print("relative difference of the steps:", (apart.norm() / moved.norm()).item())
-    assert apart.norm() <= tolerance(torch.bfloat16, 4) * moved.norm()
+    assert apart.norm() <= 4 * torch.finfo(torch.bfloat16).eps * moved.norm()
     log, ref = logged(tmp_path / "two"), logged(tmp_path / "one")
     for a, b in zip(log, ref, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=tolerance(torch.bfloat16, 4))
+        assert a["loss"] == approx(b["loss"], 4, torch.bfloat16)
 
 
 @pytest.mark.slow
@@ -146,12 +187,7 @@ def resume(tmp_path, name: str, nproc: int, cfg: dict, checkpoint):
     return load_pretrained(tmp_path / name / "model")[0]
 
 
-def assert_same_weights(a: dict, b: dict) -> None:
-    for k in a:  # SGD: rounding-sized differences, as above
-        torch.testing.assert_close(a[k], b[k], rtol=tolerance(torch.float32, 1000), atol=1e-6)
-
-
-SGD = {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 0.05}
+SGD = OPTIMIZERS["sgd"]
 
 
 @pytest.mark.slow
@@ -162,8 +198,9 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     files = {p.name for p in ckpt.iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= files
     assert "model.safetensors" not in files  # no rank held the whole model
-    assert_same_weights(resume(tmp_path, "on1", 1, cfg, ckpt), whole_run)
-    assert_same_weights(resume(tmp_path, "on4", 4, cfg, ckpt), whole_run)
+    # from the same state at step 4, two steps whose sums are taken in another order
+    assert_same_weights(resume(tmp_path, "on1", 1, cfg, ckpt), whole_run, cfg, 2)
+    assert_same_weights(resume(tmp_path, "on4", 4, cfg, ckpt), whole_run, cfg, 2)
     # The resumed runs continued from step 4, not from scratch.
     steps = [r["step"] for r in logged(tmp_path / "on4")]
     assert steps == [5, 6]
@@ -185,13 +222,11 @@ def test_hybrid_sharding_matches_one_process_and_resumes_on_plain_shards(tmp_pat
     cfg = sharded_config(optimizer=SGD, max_steps=4, checkpoint_every=2)
     one = train(tmp_path, "one", 1, cfg)
     hybrid = train(tmp_path, "hybrid", 4, {**cfg, "parallel": {"mode": "sharded", "replicas": 2}})
-    assert_same_weights(hybrid, one)
-    log, ref = logged(tmp_path / "hybrid"), logged(tmp_path / "one")
-    for a, b in zip(log, ref, strict=True):
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tolerance(torch.float32, 1000))
+    assert_same_weights(hybrid, one, cfg, 4)
+    assert_same_logs(tmp_path / "hybrid", tmp_path / "one", cfg)
     # The checkpoint the replica groups wrote resumes on 2 ranks without replicas.
     ckpt = tmp_path / "hybrid" / "checkpoints" / "step_00000002"
-    assert_same_weights(resume(tmp_path, "on2", 2, cfg, ckpt), one)
+    assert_same_weights(resume(tmp_path, "on2", 2, cfg, ckpt), one, cfg, 4)
 
 
 def test_replicas_need_sharded_mode_and_a_positive_count():
@@ -243,7 +278,8 @@ def test_run_with_a_killed_rank_resumes_from_the_last_sharded_checkpoint(tmp_pat
     assert not partial.exists()  # removed on start
     steps = [r["step"] for r in logged(tmp_path / "killed")]
     assert steps == list(range(1, 9))  # 1-4 before the kill, 5-8 after the resume
-    assert_same_weights(load_pretrained(tmp_path / "killed" / "model")[0], uninterrupted)
+    killed = load_pretrained(tmp_path / "killed" / "model")[0]
+    assert_same_weights(killed, uninterrupted, cfg, 4)  # steps 5-8 from the same state
 
 
 @pytest.mark.parametrize(
