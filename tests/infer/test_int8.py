@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from infer_models import greedy_reference, make_model
 
 import astrai as ai
-from astrai.infer import Engine, Int8Matrix, kernels_used, prepare_params, quant
+from astrai.infer import Engine, Int8Matrix, kernels_used, prepare, prepare_params
 from astrai.infer.prepare import fuse_projections
 from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
 
@@ -70,7 +70,7 @@ def test_engine_matches_recomputation_with_the_same_8_bit_weights(kind, monkeypa
     # One product on both sides, whichever measures faster here: the weight-only one, since
     # fbgemm's dynamic product scales the activations per call, so its rows depend on what
     # else is in the batch (a whole prompt here, one token per row in the engine's decode).
-    monkeypatch.setattr(quant, "fastest_kernel", lambda *shape: "weight_only")
+    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: "weight_only")
     params, cfg = make_model(kind)
     reference = prepare_params(params, quantize="int8")
     prompts = [[5, 17, 42, 8], [100, 3, 250, 77, 9, 11]]
