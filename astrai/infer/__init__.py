@@ -50,6 +50,7 @@ from astrai.infer.step import (
     init_engine,
     run_requests,
 )
+from astrai.infer.support import products_here
 
 __all__ = [
     "Completion",
@@ -90,6 +91,7 @@ __all__ = [
     "pages_for",
     "prefill",
     "prepare_params",
+    "products_here",
     "run_requests",
     "sample",
     "sample_requests",

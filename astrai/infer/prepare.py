@@ -1,6 +1,7 @@
 """prepare_params: the canonical weights turned, once, into the form that decodes fastest on
 the running machine. Every choice in it is measured here at load, never assumed from another
-machine: the layout of float matrices, and with `quantize="int8"` the 8-bit product."""
+machine, among the products this machine runs (astrai/infer/support.py): the layout of float
+matrices, and with `quantize="int8"` the 8-bit product."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from collections import Counter
 import torch
 
 from astrai.infer.allocator import keep_freed_memory
-from astrai.infer.packed import DTYPES, pack
-from astrai.infer.quant import TUNE_ROWS, int8_matrix
+from astrai.infer.layouts import LAYOUTS
+from astrai.infer.packed import DTYPES
+from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
+from astrai.infer.support import products_here
 from astrai.model.layers import FUSED, project
 
 Params = dict[str, torch.Tensor]
@@ -22,11 +25,20 @@ log = logging.getLogger("astrai.infer")
 EMBED_KEY = "model.embed_tokens.weight"
 QUANTIZE = ("int8",)
 SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
+TUNE_ROWS = (1, 16)  # batch sizes the choices are timed at: one stream, and a busy server
 
 
-def _transposed(w: torch.Tensor) -> torch.Tensor:
-    """The same matrix as a transposed view of [in, out]-contiguous storage."""
-    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[str]:
+    """The products of `dtype` matrices of `shape` that run here (astrai.infer.support). Where
+    none does, a ValueError naming each one and why: the weights cannot take this form here."""
+    reasons = products_here(dtype, shape, device)
+    if names := [name for name, reason in reasons.items() if reason is None]:
+        return names
+    tried = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+    kind = str(dtype).removeprefix("torch.")
+    raise ValueError(
+        f"no {kind} product runs on {device} for a {shape[0]}x{shape[1]} matrix ({tried})"
+    )
 
 
 def _sweep(matrices: list, x: torch.Tensor) -> float:
@@ -36,33 +48,26 @@ def _sweep(matrices: list, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-# The forms a float CPU matrix can take; each builds the prepared weight from [out, in].
-LAYOUTS = {"rows": lambda w: w, "columns": _transposed, "packed": pack}
-
-
 @functools.cache
 def _fastest_layout(
     out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
 ) -> str:
-    """The layout of LAYOUTS in which [out, in] matrices multiply fastest here. The columns
-    layout won 2x on an AVX2 machine and nothing on an AMX one, and oneDNN's packing 2-3x on
-    AMD Zen 4, so it is measured, the way a decode step reads the matrices (streamed one after
-    the other, not one read again from cache): a pass over `copies` matrices of the shape (as
-    many as the model has) at each of TUNE_ROWS rows, best of three alternating rounds."""
+    """The layout of LAYOUTS, among those that run here, in which [out, in] matrices multiply
+    fastest. The columns layout won 2x on an AVX2 machine and nothing on an AMX one, and
+    oneDNN's packing 2-3x on AMD Zen 4, so it is measured, the way a decode step reads the
+    matrices (streamed one after the other, not one read again from cache): a pass over
+    `copies` matrices of the shape (as many as the model has) at each of TUNE_ROWS rows, best
+    of three alternating rounds."""
     plain = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
     inputs = [torch.full((rows, in_features), 0.5, dtype=dtype) for rows in TUNE_ROWS]
 
     def seconds(matrices: list) -> float:
         return sum(_sweep(matrices, x) for x in inputs)
 
-    candidates = {}
-    for name, build in LAYOUTS.items():
-        try:
-            candidates[name] = [build(w) for w in plain]
-            seconds(candidates[name])  # warm-up, and a check that it runs here at all
-        except RuntimeError as exc:  # not available here: not a candidate
-            candidates.pop(name, None)
-            log.debug("layout %s unavailable for %s: %s", name, dtype, exc)
+    names = runnable(dtype, (out_features, in_features))
+    candidates = {name: [LAYOUTS[name](w) for w in plain] for name in names}
+    for matrices in candidates.values():
+        seconds(matrices)  # warm-up
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(3):
         for name, matrices in candidates.items():
@@ -79,6 +84,41 @@ def _fastest_layout(
         shown,
     )
     return choice
+
+
+def _time(run, x: torch.Tensor, calls: int = 5, rounds: int = 3) -> float:
+    """Seconds per call, best of `rounds` (a shared machine's noise only ever adds time)."""
+    run(x)  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run(x)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+@functools.cache
+def _fastest_int8(out_features: int, in_features: int, device: str, threads: int) -> str:
+    """The int8 product of quant.BUILDERS, among those that run here, fastest for [out, in]."""
+    kernels = runnable(torch.int8, (out_features, in_features), device)
+    q, scale = quantize_rows(torch.randn(out_features, in_features, device=device))
+    timings = {
+        kernel: sum(
+            _time(BUILDERS[kernel](q, scale), torch.randn(rows, in_features, device=device))
+            for rows in TUNE_ROWS
+        )
+        for kernel in kernels
+    }
+    best = min(timings, key=timings.get)
+    shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
+    log.info("int8 %dx%d: %s (%s)", out_features, in_features, best, shown)
+    return best
+
+
+def fastest_kernel(out_features: int, in_features: int, device: torch.device) -> str:
+    """The int8 product that measures fastest for [out, in] on this machine (cached)."""
+    return _fastest_int8(out_features, in_features, str(device), torch.get_num_threads())
 
 
 def _is_matrix(key: str, w) -> bool:
@@ -142,12 +182,13 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     Sibling projections that read the same input are fused (see astrai.model.layers.FUSED): q,
     k and v into `qkv_proj`, gate and up into `gate_up_proj`. Each float32 or bfloat16 CPU
     matrix takes the layout of LAYOUTS that multiplies fastest on this machine (measured once
-    per shape and cached): kept [out, in], stored [in, out]-contiguous, or packed for oneDNN (a
-    PackedMatrix). With `quantize="int8"` the matrices of the layers and the head become
-    Int8Matrix values (8-bit weights, one scale per output channel, the fastest int8 product
-    measured here). The embedding and the norms keep their dtype and layout. With tied
-    embeddings a head laid out otherwise is a copy of its own, so the embedding lookup keeps
-    reading whole rows.
+    per shape and cached, among those that run here: astrai.infer.support): kept [out, in],
+    stored [in, out]-contiguous, or packed for oneDNN (a PackedMatrix). With `quantize="int8"`
+    the matrices of the layers and the head become Int8Matrix values (8-bit weights, one scale
+    per output channel, the fastest int8 product that runs here; where none runs for a shape,
+    the error names each product and why). The embedding and the norms keep their dtype and
+    layout. With tied embeddings a head laid out otherwise is a copy of its own, so the
+    embedding lookup keeps reading whole rows.
 
     Inference also wants the process's C allocator to keep freed temporaries for reuse, so
     this turns that on once per process, after the weights are placed
@@ -160,7 +201,9 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
         params["lm_head.weight"] = params[EMBED_KEY]  # laid out (a copy) as a matrix below
     matrices = {key: w for key, w in params.items() if _is_matrix(key, w)}
     if quantize == "int8":
-        params |= {key: int8_matrix(w) for key, w in matrices.items()}
+        params |= {
+            key: int8_matrix(w, fastest_kernel(*w.shape, w.device)) for key, w in matrices.items()
+        }
     else:
         layouts = _layouts(list(matrices.values()))
         for key, w in matrices.items():

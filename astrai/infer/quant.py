@@ -1,23 +1,18 @@
-"""8-bit weights for inference: one int8 matrix and one scale per output channel, with the
-product that measures fastest on the running machine.
-
-Two products of torch's own are candidates for each matrix shape:
+"""8-bit weights for inference: one int8 matrix and one scale per output channel, with one of
+two products of torch's own:
 
 - "weight_only": `torch._weight_int8pack_mm`, activations in bfloat16, weights dequantized
   inside the kernel;
 - "dynamic": fbgemm's `quantized::linear_dynamic`, activations quantized to 8 bits per call
   and an integer product.
 
-Which one wins depends on the CPU (VNNI, AMX, AVX2 only) and on the shape, so it is measured at
-load: a few calls of each on random inputs, a few ms per shape, cached for the process and
-logged. A candidate the machine cannot run is skipped.
+Which one wins depends on the CPU (VNNI, AMX, AVX2 only) and on the shape, so prepare_params
+times those that run here (astrai/infer/support.py) for each shape at load, and keeps the
+faster.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +22,7 @@ import torch
 from astrai.infer.hardware import cpu_flags
 from astrai.model.layers import cast
 
-log = logging.getLogger("astrai.infer")
-
 KERNELS = ("weight_only", "dynamic")
-TUNE_ROWS = (1, 16)  # batch sizes the choice is timed at: one stream, and a busy server
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,48 +92,9 @@ def _dynamic(q: torch.Tensor, scale: torch.Tensor) -> Callable:
 BUILDERS = {"weight_only": _weight_only, "dynamic": _dynamic}
 
 
-def _time(run: Callable, x: torch.Tensor, calls: int = 5, rounds: int = 3) -> float:
-    """Seconds per call, best of `rounds` (a shared machine's noise only ever adds time)."""
-    run(x)  # warm-up (and a first check that it runs at all)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run(x)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-
-@functools.cache
-def _fastest(out_features: int, in_features: int, device: str, threads: int) -> str:
-    """Time every candidate product for this shape; the fastest one's name."""
-    q, scale = quantize_rows(torch.randn(out_features, in_features, device=device))
-    timings = {}
-    for kernel, build in BUILDERS.items():
-        try:
-            run = build(q, scale)
-            timings[kernel] = sum(
-                _time(run, torch.randn(rows, in_features, device=device)) for rows in TUNE_ROWS
-            )
-        except Exception as exc:  # not supported here: not a candidate
-            log.debug("int8 %s unavailable for %dx%d: %s", kernel, out_features, in_features, exc)
-    if not timings:
-        raise RuntimeError(f"no int8 product runs on {device} (tried {', '.join(KERNELS)})")
-    best = min(timings, key=timings.get)
-    shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
-    log.info("int8 %dx%d: %s (%s)", out_features, in_features, best, shown)
-    return best
-
-
-def fastest_kernel(out_features: int, in_features: int, device: torch.device) -> str:
-    """The int8 product that measures fastest for [out, in] on this machine (cached)."""
-    return _fastest(out_features, in_features, str(device), torch.get_num_threads())
-
-
-def int8_matrix(w: torch.Tensor, kernel: str | None = None) -> Int8Matrix:
-    """w [out, in] in 8 bits, with `kernel`'s product (default: the fastest measured here)."""
-    q, scale = quantize_rows(w)
-    kernel = kernel or fastest_kernel(*q.shape, q.device)
+def int8_matrix(w: torch.Tensor, kernel: str) -> Int8Matrix:
+    """w [out, in] in 8 bits, multiplied by `kernel`'s product (one of KERNELS)."""
     if kernel not in BUILDERS:
         raise ValueError(f"unknown int8 kernel {kernel!r}; one of {', '.join(KERNELS)}")
+    q, scale = quantize_rows(w)
     return Int8Matrix(q, scale, kernel, BUILDERS[kernel](q, scale))

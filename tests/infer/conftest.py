@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.infer import prepare, support
 from astrai.tokenizer import Tokenizer
 
 
@@ -23,3 +24,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_choices():
+    """What runs here and which product is fastest, found again inside the test and forgotten
+    after it: both are cached for the process, and the test changes what they read."""
+    caches = [support._probe, prepare._fastest_layout, prepare._fastest_int8]
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()

@@ -1,29 +1,64 @@
-"""8-bit weights: each product against the float one, the Engine against recomputation with
-the same weights, and the quality of a trained model (perplexity on held-out text)."""
+"""8-bit weights: each product that runs here against the float one within a worst-case bound
+of its rounding, the Engine against recomputation with the same weights for each product, the
+error where none runs, and the quality of a trained model (perplexity on held-out text)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
-from infer_models import greedy_reference, make_model
+from infer_models import BASE, greedy_reference, make_model
 
 import astrai as ai
-from astrai.infer import Engine, Int8Matrix, kernels_used, prepare_params, quant
+from astrai.infer import Engine, Int8Matrix, kernels_used, prepare, prepare_params, quant, support
 from astrai.infer.prepare import fuse_projections
-from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
+from astrai.infer.quant import BUILDERS, KERNELS, int8_matrix, quantize_rows
+from astrai.infer.support import products_here
 
-# bf16 keeps 8 significant bits; 8-bit activations (fbgemm's dynamic product) keep 7 or 8
-BF16_EPS = torch.finfo(torch.bfloat16).eps
-INT8_STEP = 1 / 63  # a 7-bit activation's step relative to its largest value
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+BF16_UNIT = torch.finfo(torch.bfloat16).eps / 2  # a bf16 rounding's largest relative error
+# an x86 CPU older than AVX2 (no fbgemm kernel), as /proc/cpuinfo would list it
+PRE_AVX2_FLAGS = frozenset({"sse4_2", "avx"})
 
 
-def runnable(kernel: str) -> bool:
-    try:
-        int8_matrix(torch.randn(8, 16), kernel).linear(torch.randn(1, 16))
-        return True
-    except RuntimeError:
-        return False
+def skip_unless_here(kernel: str, shape=None) -> None:
+    if reason := products_here(torch.int8, shape)[kernel]:
+        pytest.skip(f"the {kernel} int8 product: {reason}")
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The worst case of |int8_matrix(w, kernel).linear(x) - x @ w.T|, per output. Each 8-bit
+    weight is within half a step (its row's scale / 2) of w; each activation within its own
+    rounding of x: a bf16 rounding for weight_only, half the step of the 8-bit activations (7
+    bits without VNNI) over the call's range for dynamic; then the float rounding of the sum
+    (at most one per term), and for weight_only of its bf16 scale and bf16 output."""
+    q, scale = quantize_rows(w)
+    weights = (q.float() * scale[:, None]).abs()
+    if kernel == "weight_only":
+        activation, output = BF16_UNIT * x.abs(), BF16_UNIT
+    else:
+        levels = 127 if quant._reduce_range() else 255
+        step = (x.max().clamp_min(0) - x.min().clamp_max(0)) / levels
+        activation, output = (step / 2).expand_as(x), 0.0
+    rounding = (1 + output) ** 2 * (1 + w.shape[1] * FLOAT32_EPS) - 1
+    return (
+        x.abs().sum(-1, keepdim=True) * scale / 2
+        + activation @ weights.T
+        + rounding * ((x.abs() + activation) @ weights.T)
+    )
+
+
+# signed: terms that cancel; aligned: all terms of one sign, so each product is as large as
+# its worst-case error allows, and a wrong scale shows even at a few percent
+VALUES = {"signed": torch.randn, "aligned": torch.rand}
+
+
+def operands(values: str, rows: int, out_features: int = 48, in_features: int = 80):
+    g = torch.Generator().manual_seed(0)
+    make = VALUES[values]
+    return make(rows, 3, in_features, generator=g), make(out_features, in_features, generator=g)
 
 
 def test_rows_round_to_the_nearest_step():
@@ -35,21 +70,26 @@ def test_rows_round_to_the_nearest_step():
     assert bool((q.abs().amax(1) == 127).all())  # each row uses its whole range
 
 
-@pytest.mark.parametrize("kernel", list(BUILDERS))
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("values", list(VALUES))
 @pytest.mark.parametrize("rows", [1, 5])
-def test_each_product_is_the_product_of_the_dequantized_matrix(kernel, rows):
-    if not runnable(kernel):
-        pytest.skip(f"{kernel} does not run on this machine")
-    torch.manual_seed(0)
-    m = int8_matrix(torch.randn(48, 80), kernel)
-    x = torch.randn(rows, 3, 80)
-    expected = x @ m.dequantize().T
-    y = m.linear(x)
+def test_each_product_is_within_its_worst_case_error(kernel, values, rows):
+    skip_unless_here(kernel, (48, 80))
+    x, w = operands(values, rows)
+    y = int8_matrix(w, kernel).linear(x)
     assert y.shape == (rows, 3, 48) and y.dtype == x.dtype
-    # error of the activations' rounding, summed over 80 terms, relative to the output's scale
-    step = BF16_EPS if kernel == "weight_only" else INT8_STEP
-    tol = 4 * step * x.abs().max() * m.dequantize().abs().sum(1).max()
-    assert float((y - expected).abs().max()) <= float(tol)
+    assert bool(((y - x @ w.T).abs() <= error_bound(x, w, kernel)).all())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("factor", [0.9, 1.1, 1.25])
+def test_a_scale_off_by_ten_percent_is_outside_the_bound(kernel, factor):
+    # the bound above is tight enough to catch a product that scales its rows wrongly
+    skip_unless_here(kernel, (48, 80))
+    x, w = operands("aligned", 5)
+    q, scale = quantize_rows(w)
+    wrong = Int8Matrix(q, scale * factor, kernel, BUILDERS[kernel](q, scale * factor))
+    assert bool(((wrong.linear(x) - x @ w.T).abs() > error_bound(x, w, kernel)).any())
 
 
 def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
@@ -65,19 +105,65 @@ def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
         prepare_params(params, quantize="int4")
 
 
+def one_row_at_a_time(m: Int8Matrix) -> Int8Matrix:
+    """The same 8-bit matrix, its product called on each row of its input alone."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = [m.run(row[None]) for row in x.reshape(-1, x.shape[-1])]
+        return torch.cat(rows).view(*x.shape[:-1], m.shape[0])
+
+    return dataclasses.replace(m, run=run)
+
+
+# fbgemm's dynamic product scales the activations of a whole call at once, so a row's result
+# depends on the rows beside it: there the Engine runs one token per call (one sequence, prompts
+# prefilled a token at a time) and the recomputation multiplies each row alone too. The
+# weight-only product keeps rows independent, so there the Engine batches and chunks freely.
+ENGINE_CALLS = {"weight_only": {"max_batch": 4}, "dynamic": {"max_batch": 1, "prefill_chunk": 1}}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_engine_matches_recomputation_with_the_same_8_bit_weights(kind, monkeypatch):
-    # One product on both sides, whichever measures faster here: the weight-only one, since
-    # fbgemm's dynamic product scales the activations per call, so its rows depend on what
-    # else is in the batch (a whole prompt here, one token per row in the engine's decode).
-    monkeypatch.setattr(quant, "fastest_kernel", lambda *shape: "weight_only")
+def test_engine_matches_recomputation_with_the_same_8_bit_weights(kind, kernel, monkeypatch):
+    skip_unless_here(kernel)
+    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: kernel)
     params, cfg = make_model(kind)
     reference = prepare_params(params, quantize="int8")
+    assert set(kernels_used(reference)) == {kernel}
+    reference = {
+        k: one_row_at_a_time(w) if isinstance(w, Int8Matrix) else w for k, w in reference.items()
+    }
     prompts = [[5, 17, 42, 8], [100, 3, 250, 77, 9, 11]]
-    with Engine(params, cfg, None, quantize="int8", max_batch=4, page_size=4) as engine:
-        outs = engine.generate(prompts, max_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine(params, cfg, None, quantize="int8", page_size=4, **ENGINE_CALLS[kernel]) as e:
+        outs = e.generate(prompts, max_tokens=12, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == greedy_reference(reference, cfg, prompt, 12)
+
+
+def narrow_model():
+    """The tests' tiny model at width 24: rows the weight-only kernel cannot take."""
+    cfg = ai.ModelConfig(**(BASE | {"hidden_size": 24, "intermediate_size": 48}))
+    return ai.init_params(cfg, seed=0), cfg
+
+
+def test_a_width_one_product_cannot_take_is_multiplied_by_the_other():
+    skip_unless_here("dynamic", (48, 24))
+    params, cfg = narrow_model()
+    prepared = prepare_params(params, quantize="int8")
+    matrices = [w for w in prepared.values() if isinstance(w, Int8Matrix)]
+    assert {w.kernel for w in matrices if w.shape[1] == 24} == {"dynamic"}
+    logits = ai.forward(prepared, cfg, torch.tensor([[1, 2, 3, 4]]))
+    assert logits.shape == (1, 4, cfg.vocab_size) and bool(logits.isfinite().all())
+
+
+def test_no_8_bit_product_here_is_an_error_naming_each_and_why(monkeypatch, fresh_choices):
+    # a CPU without AVX2 (no fbgemm kernel), and rows the weight-only kernel cannot take
+    monkeypatch.setattr(support, "cpu_flags", lambda: PRE_AVX2_FLAGS)
+    params, cfg = narrow_model()
+    with pytest.raises(ValueError, match=r"no int8 product .*\(weight_only: .*multiple of 16"):
+        Engine(params, cfg, None, quantize="int8")
+    with pytest.raises(ValueError, match=r"dynamic: needs the CPU feature avx2"):
+        prepare_params(params, quantize="int8")
 
 
 CHOICE = torch.tensor([0.7, 0.1, 0.1, 0.1])
@@ -131,10 +217,10 @@ def trained():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("kernel", [None, *BUILDERS])  # None: the one measured fastest here
+@pytest.mark.parametrize("kernel", [None, *KERNELS])  # None: the one measured fastest here
 def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_8_bits(trained, kernel):
-    if kernel is not None and not runnable(kernel):
-        pytest.skip(f"{kernel} does not run on this machine")
+    if kernel is not None:
+        skip_unless_here(kernel)
     params, cfg = trained
     held_out = markov_text(32, 33, seed=10_000)
     full = perplexity(params, cfg, held_out)

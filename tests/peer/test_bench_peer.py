@@ -7,12 +7,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip(
-    "llama_cpp", reason='llama.cpp is not installed: pip install -e ".[peer]", then just test-peer'
-)
-
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = ("F32", "BF16", "Q8_0")
 

@@ -11,10 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip(
-    "llama_cpp", reason='llama.cpp is not installed: pip install -e ".[peer]", then just test-peer'
-)
-
 import astrai as ai
 from astrai.config import RopeScaling, train_config
 from astrai.export import llamacpp as lc

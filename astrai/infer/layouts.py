@@ -1,0 +1,18 @@
+"""The layouts a float CPU matrix can take for inference, each built from the canonical
+[out, in] weight. Which of them run here is astrai/infer/support.py's to say, which is fastest
+prepare_params' to measure."""
+
+from __future__ import annotations
+
+import torch
+
+from astrai.infer.packed import pack
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """The same matrix as a transposed view of [in, out]-contiguous storage."""
+    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# kept [out, in]; stored [in, out]-contiguous; packed for oneDNN (a PackedMatrix)
+LAYOUTS = {"rows": lambda w: w, "columns": _transposed, "packed": pack}

@@ -1,0 +1,85 @@
+"""What this machine can run: the layouts of float matrices (astrai/infer/layouts.py) and the
+8-bit products (astrai/infer/quant.py), each with the reason where it cannot. prepare_params
+chooses among those that run; the tests run each one that does and skip the others, naming why.
+
+A product is refused for a CPU feature its library needs and the CPU lacks (read from
+/proc/cpuinfo, so that the reason names it), for a shape its kernel mishandles, or when one tiny
+product of it raises here (tried once per process): a library built without the kernel, or held
+below what the CPU offers (ONEDNN_MAX_CPU_ISA=AVX2), then says why in its own words.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from astrai.infer.hardware import cpu_flags
+from astrai.infer.layouts import LAYOUTS
+from astrai.infer.quant import BUILDERS, int8_matrix
+from astrai.model.layers import project
+
+# The CPU features (as /proc/cpuinfo names them) a product's library checks for; any one group
+# is enough. oneDNN reorders bfloat16 weights only with AVX-512 BW+VL+DQ, AVX-NE-CONVERT or
+# Arm's BF16; fbgemm's integer kernels need AVX2.
+CPU_NEEDS = {
+    (torch.bfloat16, "packed"): (
+        ("avx512bw", "avx512vl", "avx512dq"),
+        ("avx_ne_convert",),
+        ("bf16",),
+    ),
+    (torch.int8, "dynamic"): (("avx2",),),
+}
+# torch's CPU kernel of the weight-only product reads each activation row in whole vectors (16
+# floats with AVX-512, 8 with AVX2) and runs past the end of a row that is not a multiple of
+# them: a segfault, not an error to catch.
+IN_FEATURES_MULTIPLE = {(torch.int8, "weight_only"): 16}
+PROBE_SHAPE = (16, 32)  # the [out, in] of the tiny product each one is tried on
+
+
+def products_here(
+    dtype: torch.dtype, shape: tuple[int, int] | None = None, device: str | torch.device = "cpu"
+) -> dict[str, str | None]:
+    """Every product of matrices of `dtype` on `device`: the layouts of LAYOUTS for a float
+    dtype, the 8-bit products of quant.BUILDERS for torch.int8. Each maps to None where it runs
+    here, else to the reason it does not. With `shape` ([out, in]) the kernels' limits on shapes
+    count too; without it, None means that it runs for some shapes."""
+    device = torch.device(device)
+    return {
+        name: _shape_refused(dtype, name, shape, device) or _machine_refuses(dtype, name, device)
+        for name in (BUILDERS if dtype == torch.int8 else LAYOUTS)
+    }
+
+
+def _shape_refused(dtype, name: str, shape, device: torch.device) -> str | None:
+    multiple = IN_FEATURES_MULTIPLE.get((dtype, name))
+    if device.type != "cpu" or multiple is None or shape is None or shape[1] % multiple == 0:
+        return None
+    return f"its CPU kernel needs in_features a multiple of {multiple}, not {shape[1]}"
+
+
+def _machine_refuses(dtype, name: str, device: torch.device) -> str | None:
+    needs = CPU_NEEDS.get((dtype, name), ()) if device.type == "cpu" else ()
+    flags = cpu_flags()  # empty where the system does not say: the probe alone decides
+    if needs and flags and not any(flags.issuperset(group) for group in needs):
+        wanted = " or ".join("+".join(group) for group in needs)
+        return f"needs the CPU feature {wanted}, which this CPU lacks"
+    return _probe(dtype, name, str(device))
+
+
+def prepared_matrix(w: torch.Tensor, dtype: torch.dtype, name: str):
+    """w [out, in] (float) as a weight for `project` in product `name` of `dtype` matrices."""
+    return int8_matrix(w, name) if dtype == torch.int8 else LAYOUTS[name](w.to(dtype))
+
+
+@functools.cache
+def _probe(dtype, name: str, device: str) -> str | None:
+    """None where one tiny product runs, else what it raised."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(PROBE_SHAPE, generator=g).to(device)
+    x = torch.randn(3, PROBE_SHAPE[1], generator=g).to(device)
+    try:
+        project(x if dtype == torch.int8 else x.to(dtype), prepared_matrix(w, dtype, name))
+    except RuntimeError as exc:  # torch's own errors for a kernel it lacks
+        return f"raises here: {str(exc).splitlines()[0]}"
+    return None
