@@ -84,6 +84,12 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """RMSNorm over each query and key head before RoPE (Qwen3)."""
     use_gated_attention: bool = False
     """`q_proj` is twice as wide; its second half gates the attention output through a sigmoid."""
+    sliding_window: int | None = None
+    """Sliding layers attend to the last `sliding_window` positions, their own included. Not
+    set: every layer attends to the whole sequence."""
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    """Per layer, `full_attention` or `sliding_attention` (Gemma's alternation, Qwen2's
+    `max_window_layers`). Not set: every layer slides when `sliding_window` is set."""
     initializer_range: float = 0.02
     """Standard deviation of fresh weights (output projections are scaled down by depth)."""
     # multi-latent attention (DeepSeek-V2 style)
@@ -155,6 +161,23 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                 f"1..n_routed_experts ({self.n_routed_experts})"
             )
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"sliding_window must be positive when given, got {self.sliding_window}"
+            )
+        if self.sliding_window is not None and self.model_type == "encoder":
+            raise ValueError("sliding_window is for causal decoders (model_type 'decoder')")
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types names sliding_attention layers: set sliding_window")
 
     @property
     def kv_heads(self) -> int:
@@ -163,6 +186,15 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_sliding_layer(self, i: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[i] == "sliding_attention"
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.is_sliding_layer(i) for i in range(self.num_hidden_layers))
 
     def is_moe_layer(self, i: int) -> bool:
         return (
@@ -218,7 +250,7 @@ def load_toml(path: str | Path, struct: type, table: str | None = None) -> Any:
 _HF_IGNORED_KEYS = {
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
     "hidden_act", "attention_dropout", "use_cache", "pretraining_tp", "mlp_bias",
-    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "initializer_range",
+    "use_sliding_window", "max_window_layers", "initializer_range",
     "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "tie_word_embeddings",
     "output_attentions", "output_hidden_states", "return_dict", "rope_parameters", "head_dim",
     "is_decoder", "num_key_value_heads", "rope_scaling", "rope_theta",
@@ -237,7 +269,10 @@ def model_config_from_json(path: str | Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
     if data.get("model_type") in _HF_MODEL_TYPES:
-        data = _from_hf(data)
+        try:
+            data = _from_hf(data)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     return from_dict(ModelConfig, data, str(path))
 
 
@@ -260,10 +295,32 @@ def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
     out["rope_theta"] = float(theta)
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     out["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
+    out |= _hf_windows(data)
     unknown = set(data) - set(ModelConfig.__struct_fields__) - _HF_IGNORED_KEYS
     for k in unknown:
         out.pop(k, None)
     return out
+
+
+def _hf_windows(data: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types: Mistral slides every layer when it names a window; Qwen2
+    and Qwen3 only with use_sliding_window, on the layers layer_types says (older files: from
+    max_window_layers on)."""
+    window, types = data.get("sliding_window"), data.get("layer_types")
+    if data["model_type"] == "mistral":
+        return {"sliding_window": window, "layer_types": None}
+    if not data.get("use_sliding_window", False):
+        window = None
+    if window is None and "sliding_attention" in (types or ()):
+        raise ValueError(
+            "layer_types names sliding_attention layers, but use_sliding_window is off"
+        )
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    first = data.get("max_window_layers", 0)
+    L = data["num_hidden_layers"]
+    types = types or ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+    return {"sliding_window": window, "layer_types": types}
 
 
 def write_model_config(path: str | Path, cfg: ModelConfig) -> None:

@@ -37,6 +37,16 @@ def document_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:
     return mask[:, None]
 
 
+def window_mask(
+    mask: torch.Tensor | None, query_pos: torch.Tensor, key_pos: torch.Tensor, window: int
+) -> torch.Tensor:
+    """mask (bool [..., T, S], or None for plain causal attention over T == S) narrowed to the
+    keys fewer than `window` positions behind their query. query_pos [..., T], key_pos [S]."""
+    behind = query_pos[..., :, None] - key_pos
+    near = behind < window
+    return near & (behind >= 0) if mask is None else mask & near
+
+
 def decode_layers(
     params: Params,
     cfg: ModelConfig,
@@ -46,22 +56,32 @@ def decode_layers(
     kv_store: KVStore = identity_store,
     lora: dict | None = None,
     checkpoint: bool = False,
+    sliding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every layer over embeddings x [B, T, hidden] -> (final normed hidden, MoE aux loss).
 
     mask: bool [B, 1, T, S] (True = may attend) or None for plain causal (decoder) or full
     (encoder) attention over the T new tokens. kv_store decides what the layers attend over.
+    sliding: the mask of the sliding-window layers (see window_mask). Not given, the T tokens
+    attend among themselves and the window counts their indices.
     """
     causal = cfg.model_type == "decoder"
+    if cfg.has_sliding_layers and sliding is None:
+        T = x.shape[1]
+        if mask is not None and mask.shape[-1] != T:
+            raise ValueError("attending over stored keys, sliding-window layers need sliding=")
+        steps = torch.arange(T, device=x.device)
+        sliding = window_mask(mask, steps, steps, cfg.sliding_window)
+        sliding = sliding if mask is not None else sliding[None, None]
     rope = rope_tables(cfg, positions)
     aux = x.new_zeros((), dtype=torch.float32)
     for i in range(cfg.num_hidden_layers):
+        layer_mask = sliding if cfg.is_sliding_layer(i) else mask
+        args = (params, cfg, i, x, rope, kv_store, layer_mask, causal, lora)
         if checkpoint:
-            x, layer_aux = torch.utils.checkpoint.checkpoint(
-                _layer, params, cfg, i, x, rope, kv_store, mask, causal, lora, use_reentrant=False
-            )
+            x, layer_aux = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
         else:
-            x, layer_aux = _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora)
+            x, layer_aux = _layer(*args)
         if layer_aux is not None:  # dense layers add nothing: two ops a layer saved
             aux = aux + layer_aux
     return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), aux
@@ -160,9 +180,14 @@ def forward_cached(
     key_pos = torch.arange(end, device=tokens.device)
     query_pos = torch.arange(start, end, device=tokens.device)
     mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
+    sliding = None
+    if cfg.has_sliding_layers:
+        sliding = window_mask(mask, query_pos, key_pos, cfg.sliding_window)
     x = embed(params, cfg, tokens)
     positions = default_positions(tokens, start)
-    hidden, _ = decode_layers(params, cfg, x, positions, mask, kv_store=store, lora=lora)
+    hidden, _ = decode_layers(
+        params, cfg, x, positions, mask, kv_store=store, lora=lora, sliding=sliding
+    )
     return lm_head(params, cfg, hidden), cache
 
 

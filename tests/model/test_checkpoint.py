@@ -142,3 +142,27 @@ def test_config_json_of_hf_folder_is_read(tmp_path):
     _, cfg = load_pretrained(tmp_path)
     assert cfg.attention_bias and cfg.tie_word_embeddings
     assert cfg.num_key_value_heads == data["num_key_value_heads"]
+
+
+@pytest.mark.parametrize(
+    ("family", "windows"),
+    [
+        ("mistral", {"sliding_window": 5}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 5, "max_window_layers": 1}),
+    ],
+)
+def test_sliding_windows_match_transformers(tmp_path, family, windows):
+    config_cls, model_cls, _ = HF_MODELS[family]
+    config = getattr(transformers, config_cls)(**SHAPE, **windows)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    model.save_pretrained(tmp_path)
+    params, cfg = load_pretrained(tmp_path)
+    slides = [cfg.is_sliding_layer(i) for i in range(cfg.num_hidden_layers)]
+    types = getattr(config, "layer_types", ["sliding_attention"] * 2)  # Mistral: every layer
+    assert slides == [t == "sliding_attention" for t in types]
+    tokens = torch.randint(0, 128, (2, 3 * 5 + 1), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    assert (forward(params, cfg, tokens) - expected).abs().max() < 1e-4
