@@ -13,7 +13,7 @@ import json
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -22,7 +22,7 @@ class ConfigError(ValueError):
     """A configuration file or value is wrong; the message names the key and the file."""
 
 
-class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """RoPE context extension, as Hugging Face writes it in config.json."""
 
     rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3"] = "default"
@@ -48,6 +48,10 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """llama3: wavelengths above original / this are fully scaled."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original / this are kept."""
+
+
+# The Hugging Face model types read and written (astrai/model/hf_config.py, docs/models.md).
+HFFamily = Literal["llama", "mistral", "qwen2", "qwen3"]
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -80,6 +84,13 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The output head reuses the embedding matrix (no `lm_head.weight`)."""
     attention_bias: bool = False
     """Biases on the q, k and v projections (Qwen2)."""
+    attention_out_bias: bool = False
+    """A bias on the attention's output projection as well (Llama's `attention_bias` sets both)."""
+    mlp_bias: bool = False
+    """Biases on the MLP's gate, up and down projections."""
+    hidden_act: Literal["silu", "gelu_pytorch_tanh"] = "silu"
+    """The gated MLP's activation, and its experts': `silu` (SwiGLU) or `gelu_pytorch_tanh`
+    (GeGLU with the tanh approximation of GELU, as Gemma)."""
     use_qk_norm: bool = False
     """RMSNorm over each query and key head before RoPE (Qwen3)."""
     use_gated_attention: bool = False
@@ -137,6 +148,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Kept in config.json for other tools; generation stops on the tokenizer's stop ids."""
     pad_token_id: int | None = None
     """Kept in config.json for other tools."""
+    family: HFFamily | None = None
+    """The Hugging Face `model_type` the model was read from: `save_pretrained` writes that
+    family's config.json and tensor names again, so transformers reads the folder (see
+    docs/models.md). Not set: AstrAI's own config.json."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -246,21 +261,8 @@ def load_toml(path: str | Path, struct: type, table: str | None = None) -> Any:
     return from_dict(struct, data, source)
 
 
-# Keys Hugging Face writes into config.json that describe the runtime, not the model's shape.
-_HF_IGNORED_KEYS = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "hidden_act", "attention_dropout", "use_cache", "pretraining_tp", "mlp_bias",
-    "use_sliding_window", "max_window_layers", "initializer_range",
-    "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "tie_word_embeddings",
-    "output_attentions", "output_hidden_states", "return_dict", "rope_parameters", "head_dim",
-    "is_decoder", "num_key_value_heads", "rope_scaling", "rope_theta",
-}  # fmt: skip
-
-_HF_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3"}
-
-
 def model_config_from_json(path: str | Path) -> ModelConfig:
-    """Read config.json: AstrAI's own, or a Hugging Face Llama/Qwen2/Mistral one."""
+    """Read config.json: AstrAI's own, or one of a Hugging Face family (docs/models.md)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -268,59 +270,15 @@ def model_config_from_json(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: no such file") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    if data.get("model_type") in _HF_MODEL_TYPES:
-        try:
-            data = _from_hf(data)
-        except ValueError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+    kind = data.get("model_type", "decoder")
+    if kind in get_args(HFFamily):
+        from astrai.model.hf_config import config_from_hf  # the families live with the model
+
+        return config_from_hf(data, str(path))
+    if kind not in ("decoder", "encoder"):
+        families = ", ".join(get_args(HFFamily))
+        raise ConfigError(f"{path}: model_type: {kind} is not supported (ours, or {families})")
     return from_dict(ModelConfig, data, str(path))
-
-
-def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in data.items() if k in ModelConfig.__struct_fields__}
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):
-        if data.get(k) is not None:
-            out[k] = data[k]
-    out["model_type"] = "decoder"
-    out["num_key_value_heads"] = data.get("num_key_value_heads")
-    out["head_dim"] = data.get("head_dim")
-    out["tie_word_embeddings"] = data.get("tie_word_embeddings", False)
-    if data["model_type"] == "qwen2":
-        out["attention_bias"] = True
-    if data["model_type"] == "qwen3":
-        out["use_qk_norm"] = True
-    # transformers >= 5 nests theta and scaling under rope_parameters
-    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0
-    out["rope_theta"] = float(theta)
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    out["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
-    out |= _hf_windows(data)
-    unknown = set(data) - set(ModelConfig.__struct_fields__) - _HF_IGNORED_KEYS
-    for k in unknown:
-        out.pop(k, None)
-    return out
-
-
-def _hf_windows(data: dict[str, Any]) -> dict[str, Any]:
-    """sliding_window and layer_types: Mistral slides every layer when it names a window; Qwen2
-    and Qwen3 only with use_sliding_window, on the layers layer_types says (older files: from
-    max_window_layers on)."""
-    window, types = data.get("sliding_window"), data.get("layer_types")
-    if data["model_type"] == "mistral":
-        return {"sliding_window": window, "layer_types": None}
-    if not data.get("use_sliding_window", False):
-        window = None
-    if window is None and "sliding_attention" in (types or ()):
-        raise ValueError(
-            "layer_types names sliding_attention layers, but use_sliding_window is off"
-        )
-    if window is None:
-        return {"sliding_window": None, "layer_types": None}
-    first = data.get("max_window_layers", 0)
-    L = data["num_hidden_layers"]
-    types = types or ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
-    return {"sliding_window": window, "layer_types": types}
 
 
 def write_model_config(path: str | Path, cfg: ModelConfig) -> None:

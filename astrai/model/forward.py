@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
-from astrai.model.layers import Params, project, rms_norm, swiglu
+from astrai.model.layers import Params, gated_mlp, project, rms_norm
 from astrai.model.moe import moe
 from astrai.model.rope import rope_tables
 
@@ -96,7 +96,7 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:
-        y, aux = swiglu(params, f"{p}.mlp", h, lora), None
+        y, aux = gated_mlp(params, f"{p}.mlp", h, lora, cfg.hidden_act), None
     return x + y, aux
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -68,9 +70,16 @@ def fused_linear(
     return y.split_with_sizes([y.shape[-1] - sum(widths[1:]), *widths[1:]], dim=-1)
 
 
-def swiglu(params: Params, prefix: str, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
+# The activations of gated MLPs, by the names of ModelConfig.hidden_act.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def gated_mlp(
+    params: Params, prefix: str, x: torch.Tensor, lora: dict | None = None, act: str = "silu"
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
     gate, up = fused_linear(params, prefix, "gate_up_proj", x, lora)
-    return linear(params, f"{prefix}.down_proj", F.silu(gate) * up, lora)
+    return linear(params, f"{prefix}.down_proj", ACTIVATIONS[act](gate) * up, lora)
 
 
 def attend(

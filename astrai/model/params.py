@@ -49,15 +49,19 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
 def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
 
-    def swiglu(prefix: str, inner: int) -> dict[str, tuple[int, ...]]:
-        return {
+    def gated_mlp(prefix: str, inner: int) -> dict[str, tuple[int, ...]]:
+        shapes = {
             f"{prefix}.gate_proj.weight": (inner, h),
             f"{prefix}.up_proj.weight": (inner, h),
             f"{prefix}.down_proj.weight": (h, inner),
         }
+        if cfg.mlp_bias:
+            shapes |= {f"{prefix}.gate_proj.bias": (inner,), f"{prefix}.up_proj.bias": (inner,)}
+            shapes[f"{prefix}.down_proj.bias"] = (h,)
+        return shapes
 
     if not cfg.is_moe_layer(layer):
-        return swiglu(p, cfg.intermediate_size)
+        return gated_mlp(p, cfg.intermediate_size)
     E, inner = cfg.n_routed_experts, cfg.moe_intermediate_size
     shapes = {
         f"{p}.gate.weight": (E, h),
@@ -66,7 +70,7 @@ def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ..
         f"{p}.experts.down_proj": (E, h, inner),
     }
     if cfg.n_shared_experts:
-        shapes |= swiglu(f"{p}.shared_experts", inner * cfg.n_shared_experts)
+        shapes |= gated_mlp(f"{p}.shared_experts", inner * cfg.n_shared_experts)
     return shapes
 
 
@@ -77,6 +81,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (cfg.hidden_size,)
         shapes |= _attention_shapes(cfg, f"{p}.self_attn")
+        if cfg.attention_out_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (cfg.hidden_size,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (cfg.hidden_size,)
         shapes |= _mlp_shapes(cfg, f"{p}.mlp", i)
     shapes["model.norm.weight"] = (cfg.hidden_size,)

@@ -1,0 +1,117 @@
+"""Reading Hugging Face config.json: every key transformers writes is used or on the reviewed
+ignore list, and what we do not compute is refused by name."""
+
+import copy
+import json
+
+import pytest
+
+from astrai.config import ConfigError, model_config_from_json
+from astrai.model.hf_config import COMMON, FAMILIES, IGNORED, NEUTRAL, config_from_hf
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def hf_defaults(family: str) -> dict:
+    """The config.json transformers writes for the family's default configuration."""
+    return getattr(transformers, CONFIG_CLASSES[family])().to_dict()
+
+
+def test_every_supported_family_has_its_transformers_config_class():
+    assert set(CONFIG_CLASSES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(CONFIG_CLASSES))
+def test_every_key_transformers_writes_is_read_or_ignored(family):
+    data = hf_defaults(family)
+    known = COMMON | FAMILIES[family].keys | set(NEUTRAL) | set(FAMILIES[family].neutral)
+    assert set(data) - known - IGNORED == set()
+    cfg = config_from_hf(data)
+    assert cfg.family == family
+
+
+@pytest.mark.parametrize("family", list(CONFIG_CLASSES))
+def test_the_values_assumed_for_missing_keys_are_transformers_defaults(family):
+    data = hf_defaults(family)
+    for key, value in FAMILIES[family].defaults.items():
+        assert data[key] == value, key
+
+
+# Keys that change nothing unless another key switches them on: each is changed with these set.
+SWITCHED_ON_BY = {
+    "use_sliding_window": {"sliding_window": 4, "layer_types": None},
+    "sliding_window": {"use_sliding_window": True, "layer_types": None},
+    "max_window_layers": {"use_sliding_window": True, "sliding_window": 4, "layer_types": None},
+}
+
+
+def changed(value):
+    """Another value of the same kind."""
+    match value:
+        case bool():
+            return not value
+        case int() | float():
+            return value * 2 if value else 1
+        case None:
+            return 4
+        case "silu":
+            return "gelu_pytorch_tanh"
+        case list():
+            return ["sliding_attention", *value[1:]] if value else [1]
+        case dict():
+            return {**value, "rope_theta": value["rope_theta"] * 2}
+    raise AssertionError(f"no change for {value!r}")
+
+
+@pytest.mark.parametrize("family", list(CONFIG_CLASSES))
+def test_changing_a_key_that_is_not_ignored_changes_the_model_or_is_refused(family):
+    data = hf_defaults(family)
+    for key in sorted(set(data) - IGNORED - {"model_type"}):
+        context = {k: v for k, v in SWITCHED_ON_BY.get(key, {}).items() if k in data}
+        before = {**data, **context}
+        after = {**before, key: changed(before[key])}
+        try:
+            different = config_from_hf(copy.deepcopy(after)) != config_from_hf(before)
+        except (ConfigError, ValueError) as exc:
+            different = key in str(exc)
+        assert different, f"{family}: changing {key} changed nothing"
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        ("llama", {"hidden_act": "gelu"}, "hidden_act: gelu is not supported (llama)"),
+        ("llama", {"rope_scaling_kind": "x"}, "rope_scaling_kind: x is not supported"),
+        ("llama", {"is_encoder_decoder": True}, "is_encoder_decoder: true is not supported"),
+        ("llama", {"rope_parameters": {"rope_type": "su2", "rope_theta": 1.0}},
+         "rope_parameters.rope_type: su2 is not supported"),
+        ("llama", {"rope_parameters": {"rope_type": "default", "factor": 2.0}},
+         "rope_parameters.factor: 2.0 is not supported"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "truncate": False}},
+         "truncate"),
+        ("llama", {"sliding_window": 4}, "sliding_window: 4 is not supported (llama)"),
+        ("mistral", {"layer_types": ["full_attention"] * 32}, "layer_types"),
+        ("qwen2", {"layer_types": ["sliding_attention"] * 24}, "no sliding_window"),
+    ],
+)  # fmt: skip
+def test_what_we_do_not_compute_is_refused_by_name(tmp_path, family, change, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**hf_defaults(family), **change}))
+    with pytest.raises(ConfigError) as err:
+        model_config_from_json(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_an_unknown_model_type_is_refused_by_name(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "gpt_neox", "hidden_size": 64}')
+    with pytest.raises(ConfigError, match="model_type: gpt_neox is not supported"):
+        model_config_from_json(path)
