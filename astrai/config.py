@@ -51,7 +51,7 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # The Hugging Face model types read and written (astrai/model/hf_config.py, docs/models.md).
-HFFamily = Literal["llama", "mistral", "qwen2", "qwen3"]
+HFFamily = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -95,12 +95,30 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """RMSNorm over each query and key head before RoPE (Qwen3)."""
     use_gated_attention: bool = False
     """`q_proj` is twice as wide; its second half gates the attention output through a sigmoid."""
+    norm_placement: Literal["pre", "sandwich"] = "pre"
+    """Where each block's RMSNorms sit. `pre` (Llama): on the input of attention and of the MLP;
+    `sandwich` (Gemma 2 / 3): on their input, and on their output before the residual add."""
+    rms_norm_unit_offset: bool = False
+    """Every RMSNorm scales by 1 + weight, in float32 (Gemma): the stored weights are offsets
+    from one."""
+    embedding_multiplier: float = 1.0
+    """The embeddings are multiplied by this, rounded to their dtype, before the first layer
+    (sqrt(hidden_size) for Gemma)."""
+    query_pre_attn_scalar: int | None = None
+    """The attention scores are scaled by 1 / sqrt(this) (Gemma). Not set: the head width."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores s become cap * tanh(s / cap) (Gemma 2). Not set: no cap."""
+    final_logit_softcapping: float | None = None
+    """The output logits are capped the same way (Gemma 2). Not set: no cap."""
     sliding_window: int | None = None
     """Sliding layers attend to the last `sliding_window` positions, their own included. Not
     set: every layer attends to the whole sequence."""
     layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
     """Per layer, `full_attention` or `sliding_attention` (Gemma's alternation, Qwen2's
     `max_window_layers`). Not set: every layer slides when `sliding_window` is set."""
+    rope_local_base_freq: float | None = None
+    """RoPE base of the sliding layers, which rotate without `rope_scaling` (Gemma 3). Not set:
+    every layer rotates alike."""
     initializer_range: float = 0.02
     """Standard deviation of fresh weights (output projections are scaled down by depth)."""
     # multi-latent attention (DeepSeek-V2 style)
@@ -177,6 +195,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"1..n_routed_experts ({self.n_routed_experts})"
             )
         self._check_windows()
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
 
     def _check_windows(self) -> None:
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -189,7 +210,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers = "
+                f"{self.num_hidden_layers}"
             )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types names sliding_attention layers: set sliding_window")
@@ -201,6 +223,27 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor of the attention scores; None: the usual 1 / sqrt(head width)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+
+    def beyond_llama(self) -> list[str]:
+        """The settings in use that a Llama / Qwen3 layer lacks, as `key=value` (for exporters
+        that speak only that layout)."""
+        plain = ModelConfig(vocab_size=self.vocab_size)
+        fields = (
+            "hidden_act", "attention_out_bias", "mlp_bias", "norm_placement",
+            "rms_norm_unit_offset", "embedding_multiplier", "query_pre_attn_scalar",
+            "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+        )  # fmt: skip
+        extras = [
+            f"{k}={getattr(self, k)!r}" for k in fields if getattr(self, k) != getattr(plain, k)
+        ]
+        if self.has_sliding_layers:
+            extras.append(f"sliding-window attention (sliding_window={self.sliding_window})")
+        return extras
 
     def is_sliding_layer(self, i: int) -> bool:
         if self.sliding_window is None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
-from astrai.model.layers import Params, attend, fused_linear, linear, rms_norm
+from astrai.model.layers import Params, attend, fused_linear, linear, norm
 from astrai.model.rope import apply_rope
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -57,14 +57,15 @@ def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     k = k.reshape(B, T, Hkv, D)
     v = v.reshape(B, T, Hkv, D)
     if cfg.use_qk_norm:
-        q = rms_norm(q, params[f"{prefix}.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, params[f"{prefix}.k_norm.weight"], cfg.rms_norm_eps)
+        q = norm(params, cfg, f"{prefix}.q_norm.weight", q)
+        k = norm(params, cfg, f"{prefix}.k_norm.weight", k)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
 def gqa_out(params: Params, cfg: ModelConfig, prefix: str, q, k, v, mask, causal, gate, lora):
     B, T = q.shape[:2]
-    o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    o = attend(q, k, v, mask, causal, cfg.attention_scale, cfg.attn_logit_softcapping)
     o = o.transpose(1, 2)
     if gate is not None:
         o = o * torch.sigmoid(gate)
@@ -87,7 +88,7 @@ def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     B, T, _ = x.shape
     if cfg.q_lora_rank:
         q = linear(params, f"{prefix}.q_a_proj", x, lora)
-        q = rms_norm(q, params[f"{prefix}.q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q = norm(params, cfg, f"{prefix}.q_a_layernorm.weight", q)
         q = linear(params, f"{prefix}.q_b_proj", q, lora)
     else:
         q = linear(params, f"{prefix}.q_proj", x, lora)
@@ -97,7 +98,7 @@ def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     latent, k_rope = linear(params, f"{prefix}.kv_a_proj_with_mqa", x, lora).split(
         [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
     )
-    latent = rms_norm(latent, params[f"{prefix}.kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    latent = norm(params, cfg, f"{prefix}.kv_a_layernorm.weight", latent)
     # What MLA stores per token: the normalised latent and one rotated key shared by all heads.
     return q, latent, apply_rope(k_rope, cos, sin), None
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
-from astrai.model.layers import Params, gated_mlp, project, rms_norm
+from astrai.model.layers import Params, gated_mlp, norm, project
 from astrai.model.moe import moe
+from astrai.model.params import BLOCK_NORMS
 from astrai.model.rope import rope_tables
 
 
@@ -20,12 +23,21 @@ def embed(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     x = F.embedding(tokens, params["model.embed_tokens.weight"])
+    if cfg.embedding_multiplier != 1.0:
+        x = x * _rounded(cfg.embedding_multiplier, x.dtype)
     if neftune_alpha:
         # NEFTune: uniform noise of norm ~alpha / sqrt(T * hidden) regularises fine-tuning.
         T, h = tokens.shape[-1], x.shape[-1]
         noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
         x = x + (2 * noise - 1) * (neftune_alpha / (T * h) ** 0.5)
     return x
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """value as dtype holds it: Gemma multiplies its embeddings by sqrt(hidden_size) rounded to
+    their dtype (in bfloat16, sqrt(640) = 25.298 becomes 25.25)."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def document_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -74,35 +86,47 @@ def decode_layers(
         sliding = window_mask(mask, steps, steps, cfg.sliding_window)
         sliding = sliding if mask is not None else sliding[None, None]
     rope = rope_tables(cfg, positions)
+    local = rope if cfg.rope_local_base_freq is None else rope_tables(cfg, positions, local=True)
     aux = x.new_zeros((), dtype=torch.float32)
     for i in range(cfg.num_hidden_layers):
-        layer_mask = sliding if cfg.is_sliding_layer(i) else mask
-        args = (params, cfg, i, x, rope, kv_store, layer_mask, causal, lora)
+        layer_mask, layer_rope = (sliding, local) if cfg.is_sliding_layer(i) else (mask, rope)
+        args = (params, cfg, i, x, layer_rope, kv_store, layer_mask, causal, lora)
         if checkpoint:
             x, layer_aux = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
         else:
             x, layer_aux = _layer(*args)
         if layer_aux is not None:  # dense layers add nothing: two ops a layer saved
             aux = aux + layer_aux
-    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), aux
+    return norm(params, cfg, "model.norm.weight", x), aux
 
 
 def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     """One decoder layer: (x after it, its MoE aux loss or None for a dense layer)."""
     p = f"model.layers.{i}"
-    h = rms_norm(x, params[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
-    x = x + attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
-    h = rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    attn_in, attn_out, mlp_in, mlp_out = BLOCK_NORMS[cfg.norm_placement]
+    h = _norm_at(params, cfg, p, attn_in, x)
+    h = attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
+    x = x + _norm_at(params, cfg, p, attn_out, h)
+    h = _norm_at(params, cfg, p, mlp_in, x)
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:
         y, aux = gated_mlp(params, f"{p}.mlp", h, lora, cfg.hidden_act), None
-    return x + y, aux
+    return x + _norm_at(params, cfg, p, mlp_out, y), aux
+
+
+def _norm_at(params: Params, cfg: ModelConfig, prefix: str, name: str | None, x: torch.Tensor):
+    """x through the layer's RMSNorm `name`, or as it is where the placement puts none."""
+    return x if name is None else norm(params, cfg, f"{prefix}.{name}.weight", x)
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: torch.Tensor) -> torch.Tensor:
     weight = params.get("lm_head.weight", params["model.embed_tokens.weight"])
-    return project(hidden, weight)
+    logits = project(hidden, weight)
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def default_positions(tokens: torch.Tensor, start: int = 0) -> torch.Tensor:

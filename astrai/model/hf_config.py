@@ -1,7 +1,7 @@
 """config.json of the Hugging Face families, read into a ModelConfig and written back.
 
-Reading is strict. Each key of a family's config.json is read into ModelConfig, accepted only at
-the one value we compute with (`neutral`), or on IGNORED (keys about how transformers runs, not
+Reading is strict. Each key of a family's config.json is read into ModelConfig, accepted at the
+values we compute with only (`neutral`), or on IGNORED (keys about how transformers runs, not
 what it computes); anything else is a ConfigError naming the key and its value, so a model
 whose numbers we would get wrong never loads. Writing (for `save_pretrained` of an imported
 model) gives the family's keys as transformers writes them, and checks itself by reading back.
@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, get_args, get_type_hints
 
 from astrai.config import ConfigError, ModelConfig, RopeScaling, from_dict
 
-# Keys that say nothing about what a forward pass computes. Reviewed: add a key here only when
-# no value of it changes a logit.
+# Keys that say nothing about what a forward pass computes. Reviewed: a key belongs here only
+# when no value of it changes a logit.
 IGNORED = {
     # where the file came from
     "_name_or_path", "architectures", "auto_map", "transformers_version",
@@ -30,19 +30,17 @@ IGNORED = {
     "attention_dropout", "output_router_logits",
 }  # fmt: skip
 
-# Keys of every family that only one value of is a decoder-only language model.
-NEUTRAL = {"is_encoder_decoder": False}
-
-# Keys of every family, read below.
+# Keys every family writes, read below, and keys of older files (transformers 5 moved them
+# into rope_parameters), read and never written.
 COMMON = {
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "initializer_range", "bos_token_id",
     "eos_token_id", "pad_token_id", "rope_parameters",
-    # older files: transformers 5 moved these into rope_parameters
-    "rope_theta", "rope_scaling",
 }  # fmt: skip
-LEGACY = {"rope_theta", "rope_scaling"}  # read, never written
+COMMON_OLDER = {"rope_theta", "rope_scaling"}
+# Keys of every family at the values a decoder-only language model has.
+NEUTRAL = {"is_encoder_decoder": (False,)}
 
 # Copied as they are.
 SHAPE = (
@@ -52,90 +50,107 @@ SHAPE = (
 )  # fmt: skip
 ACTIVATIONS = get_args(get_type_hints(ModelConfig)["hidden_act"])
 ROPE_TYPES = get_args(get_type_hints(RopeScaling)["rope_type"])
-WINDOW_KEYS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 
 
 class Family(NamedTuple):
-    """What sets one Hugging Face family apart: its class name, the keys it writes besides
-    COMMON, the ModelConfig fields it implies, keys accepted at one value only (transformers
-    reads them for this family not at all, or we compute that value alone), and the values
-    transformers assumes for keys a file leaves out."""
+    """What sets one Hugging Face family apart: its class name; the keys it writes besides
+    COMMON, and those only older files have; the ModelConfig fields it implies; keys accepted
+    at the listed values only (a value transformers ignores for this family, or the one we
+    compute); the values transformers assumes for keys a file leaves out."""
 
     architecture: str
     keys: frozenset[str]
+    older: frozenset[str]
     fixed: dict[str, Any]
-    neutral: dict[str, Any]
+    neutral: dict[str, tuple]
     defaults: dict[str, Any]
 
 
+def family(architecture: str, keys, older=(), fixed=None, neutral=None, defaults=None) -> Family:
+    return Family(
+        architecture, frozenset(keys), frozenset(older), fixed or {}, neutral or {}, defaults or {}
+    )
+
+
+WINDOWS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+GEMMA = {
+    "attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
+    "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+}  # fmt: skip
+GEMMA_FIXED = {"norm_placement": "sandwich", "rms_norm_unit_offset": True}
+GEMMA_DEFAULTS = {
+    "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+}  # fmt: skip
 UNTIED = {"tie_word_embeddings": False}
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(
-        "LlamaForCausalLM",
-        keys=frozenset({"attention_bias", "mlp_bias"}),
-        fixed={},
-        neutral={},
-        defaults=UNTIED,
-    ),
-    "mistral": Family(
-        "MistralForCausalLM",
-        keys=frozenset({"sliding_window"}),
-        fixed={},
-        neutral={},
+    "llama": family("LlamaForCausalLM", {"hidden_act", "attention_bias", "mlp_bias"}, defaults=UNTIED),
+    "mistral": family(
+        "MistralForCausalLM", {"hidden_act", "sliding_window"},
         defaults={**UNTIED, "sliding_window": 4096},
     ),
-    "qwen2": Family(
-        "Qwen2ForCausalLM",
-        keys=frozenset(WINDOW_KEYS),
+    "qwen2": family(
+        "Qwen2ForCausalLM", {"hidden_act", *WINDOWS},
         fixed={"attention_bias": True, "attention_out_bias": False},
-        neutral={},
         defaults={**UNTIED, "max_window_layers": 28},
     ),
-    "qwen3": Family(
-        "Qwen3ForCausalLM",
-        keys=frozenset({"attention_bias", *WINDOW_KEYS}),
+    "qwen3": family(
+        "Qwen3ForCausalLM", {"hidden_act", "attention_bias", *WINDOWS},
         fixed={"use_qk_norm": True},
-        neutral={},
         defaults={**UNTIED, "max_window_layers": 28},
     ),
-}
+    "gemma2": family(
+        "Gemma2ForCausalLM", GEMMA, older={"hidden_act"},
+        fixed=GEMMA_FIXED,
+        neutral={"use_bidirectional_attention": (None, False)},
+        defaults={**GEMMA_DEFAULTS, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    ),
+    "gemma3_text": family(
+        "Gemma3ForCausalLM", GEMMA - {"attn_logit_softcapping"} | {"_sliding_window_pattern"},
+        older={"hidden_act", "sliding_window_pattern", "rope_local_base_freq"},
+        fixed={**GEMMA_FIXED, "use_qk_norm": True},
+        # transformers' Gemma 3 reads no attn_logit_softcapping; Gemma 3 attends bidirectionally
+        # only as an embedding model
+        neutral={"attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False)},
+        defaults={**GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
+    ),
+}  # fmt: skip
 
 
 def _shown(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def refused(source: str, key: str, value: Any, family: str) -> ConfigError:
-    return ConfigError(f"{source}: {key}: {_shown(value)} is not supported ({family})")
+def refused(source: str, key: str, value: Any, name: str) -> ConfigError:
+    return ConfigError(f"{source}: {key}: {_shown(value)} is not supported ({name})")
 
 
 def config_from_hf(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """A Hugging Face config.json (as a dict) -> ModelConfig; ConfigError names what is not
+    """A Hugging Face config.json (as a dict) -> ModelConfig; a ConfigError names what is not
     supported."""
     name = data["model_type"]
-    family = FAMILIES[name]
-    hf = {**family.defaults, **data}
-    neutral = NEUTRAL | family.neutral
+    fam = FAMILIES[name]
+    hf = {**fam.defaults, **data}
+    neutral = NEUTRAL | fam.neutral
+    known = COMMON | COMMON_OLDER | fam.keys | fam.older | IGNORED
     for key, value in hf.items():
         if key in neutral:
-            if value != neutral[key]:
+            if value not in neutral[key]:
                 raise refused(source, key, value, name)
-        elif key not in COMMON and key not in family.keys and key not in IGNORED:
+        elif key not in known:
             raise refused(source, key, value, name)
-    act = hf.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise refused(source, "hidden_act", act, name)
     try:
         fields = {
             **{k: hf[k] for k in SHAPE if k in hf},
-            "hidden_act": act,
+            "hidden_act": _activation(hf, name, source),
             "attention_bias": hf.get("attention_bias", False),
             "attention_out_bias": hf.get("attention_bias", False),
             "mlp_bias": hf.get("mlp_bias", False),
             **_rope(hf, name, source),
             **_windows(hf, name),
-            **family.fixed,
+            **(READERS[name](hf) if name in READERS else {}),
+            **fam.fixed,
             "model_type": "decoder",
             "family": name,
         }
@@ -144,42 +159,102 @@ def config_from_hf(data: dict[str, Any], source: str = "config.json") -> ModelCo
     return from_dict(ModelConfig, fields, source)
 
 
+def _activation(hf: dict[str, Any], name: str, source: str) -> str:
+    """hidden_act, or Gemma's hidden_activation (its files may repeat it as hidden_act)."""
+    act = hf.get("hidden_activation", hf.get("hidden_act", "silu"))
+    key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
+    if act not in ACTIVATIONS:
+        raise refused(source, key, act, name)
+    if hf.get("hidden_act", act) != act:
+        other = hf["hidden_act"]
+        raise ConfigError(f"{source}: hidden_act: {other} disagrees with hidden_activation: {act}")
+    return act
+
+
+def _gemma(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3: embeddings scaled by sqrt(hidden_size), scores by 1 / sqrt of
+    query_pre_attn_scalar, capped scores (Gemma 2) and logits."""
+    return {
+        "embedding_multiplier": hf["hidden_size"] ** 0.5,
+        "query_pre_attn_scalar": hf["query_pre_attn_scalar"],
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+    }
+
+
+# The fields a family reads beyond those every family has.
+READERS = {"gemma2": _gemma, "gemma3_text": _gemma}
+
+
 # --- RoPE ----------------------------------------------------------------------------------
 
 DEFAULT_THETA = 10000.0
 
 
 def _rope(hf: dict[str, Any], name: str, source: str) -> dict[str, Any]:
-    """rope_theta and rope_scaling from transformers 5's rope_parameters, or from the
-    rope_theta and rope_scaling keys of older files."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    """rope_theta and rope_scaling from transformers 5's rope_parameters, or from the rope_theta
+    and rope_scaling keys of older files; Gemma 3's sliding layers rotate by their own base
+    (rope_parameters per layer type, or rope_local_base_freq)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" not in params and "sliding_attention" not in params:
+        out = _one_rope(params or hf.get("rope_scaling") or {}, hf, name, source)
+        if "rope_local_base_freq" in hf:
+            out["rope_local_base_freq"] = float(hf["rope_local_base_freq"])
+        return out
+    if "rope_local_base_freq" not in FAMILIES[name].older:
+        raise refused(source, "rope_parameters", params, name)
+    local_base = {"rope_theta": hf["rope_local_base_freq"]}
+    local = _one_rope(params.get("sliding_attention") or {}, local_base, name, source)
+    if local["rope_scaling"] is not None:
+        kind = local["rope_scaling"]["rope_type"]
+        raise refused(source, "rope_parameters.sliding_attention.rope_type", kind, name)
+    full = _one_rope(params.get("full_attention") or {}, hf, name, source)
+    return {**full, "rope_local_base_freq": local["rope_theta"]}
+
+
+def _one_rope(params: dict[str, Any], hf: dict[str, Any], name: str, source: str) -> dict[str, Any]:
+    rope = dict(params)
     theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or DEFAULT_THETA
     kind = rope.pop("rope_type", None) or rope.get("type") or "default"
     rope.pop("type", None)
     if kind not in ROPE_TYPES:
         raise refused(source, "rope_parameters.rope_type", kind, name)
-    scaling = None if kind == "default" else {"rope_type": kind, **rope}
     if kind == "default" and rope:
         key, value = next(iter(rope.items()))
         raise refused(source, f"rope_parameters.{key}", value, name)
+    scaling = None if kind == "default" else {"rope_type": kind, **rope}
     return {"rope_theta": float(theta), "rope_scaling": scaling}
 
 
 # --- sliding windows -------------------------------------------------------------------------
 
 
-def _after_max_window_layers(hf: dict[str, Any]) -> list[str]:
-    """Qwen2 / Qwen3 files from before layer_types: the layers from max_window_layers on."""
-    first = hf["max_window_layers"]
-    return [_type(i >= first) for i in range(hf["num_hidden_layers"])]
-
-
 def _type(sliding: bool) -> str:
     return "sliding_attention" if sliding else "full_attention"
 
 
+def _after_max_window_layers(hf: dict[str, Any]) -> list[str]:
+    """Qwen2 / Qwen3 files from before layer_types: the layers from max_window_layers on."""
+    return [_type(i >= hf["max_window_layers"]) for i in range(hf["num_hidden_layers"])]
+
+
+def _gemma2_layers(hf: dict[str, Any]) -> list[str]:
+    return [_type(i % 2 == 0) for i in range(hf["num_hidden_layers"])]
+
+
+def _gemma3_layers(hf: dict[str, Any]) -> list[str]:
+    """Every sliding_window_pattern-th layer attends to the whole sequence."""
+    every = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    return [_type((i + 1) % every != 0) for i in range(hf["num_hidden_layers"])]
+
+
 # Which layers slide when a file names a window but no layer_types; not listed: every layer.
-DEFAULT_LAYER_TYPES = {"qwen2": _after_max_window_layers, "qwen3": _after_max_window_layers}
+DEFAULT_LAYER_TYPES = {
+    "qwen2": _after_max_window_layers,
+    "qwen3": _after_max_window_layers,
+    "gemma2": _gemma2_layers,
+    "gemma3_text": _gemma3_layers,
+}
 
 
 def _windows(hf: dict[str, Any], name: str) -> dict[str, Any]:
@@ -205,16 +280,17 @@ def _windows(hf: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """cfg as its family's config.json (a dict). ValueError when the family's keys cannot
-    hold cfg (a field would read back otherwise), naming the field."""
-    family = FAMILIES[cfg.family]
+    """cfg as its family's config.json (a dict). ValueError when the family's keys cannot hold
+    cfg (a field would read back otherwise), naming the field."""
+    fam = FAMILIES[cfg.family]
     L = cfg.num_hidden_layers
     slides = [cfg.is_sliding_layer(i) for i in range(L)]
     every = {
-        "architectures": [family.architecture],
+        "architectures": [fam.architecture],
         "model_type": cfg.family,
         **{k: getattr(cfg, k) for k in SHAPE},
         "hidden_act": cfg.hidden_act,
+        "hidden_activation": cfg.hidden_act,
         "attention_bias": cfg.attention_bias,
         "mlp_bias": cfg.mlp_bias,
         "rope_parameters": _rope_parameters(cfg),
@@ -222,9 +298,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "use_sliding_window": cfg.sliding_window is not None,
         "max_window_layers": slides.index(True) if any(slides) else L,
         "layer_types": [_type(s) for s in slides],
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
     }
-    keys = (COMMON - LEGACY) | family.keys | {"architectures"}
-    out = {k: v for k, v in every.items() if k in keys}
+    out = {k: v for k, v in every.items() if k in COMMON | fam.keys | {"architectures"}}
     if cfg.head_dim is None:  # some families' modules take a head_dim of None at its word
         del out["head_dim"]
     back = config_from_hf(out, f"{cfg.family} config.json")
@@ -250,8 +328,11 @@ ROPE_FIELDS = {
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    rs = cfg.rope_scaling
-    if rs is None:
-        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    fields = {k: getattr(rs, k) for k in ROPE_FIELDS[rs.rope_type] if getattr(rs, k) is not None}
-    return {"rope_theta": cfg.rope_theta, "rope_type": rs.rope_type, **fields}
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if (rs := cfg.rope_scaling) is not None:
+        rope |= {"rope_type": rs.rope_type}
+        rope |= {k: getattr(rs, k) for k in ROPE_FIELDS[rs.rope_type] if getattr(rs, k) is not None}
+    if cfg.rope_local_base_freq is None:
+        return rope
+    local = {"rope_theta": cfg.rope_local_base_freq, "rope_type": "default"}
+    return {"full_attention": rope, "sliding_attention": local}

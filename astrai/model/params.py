@@ -74,17 +74,30 @@ def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ..
     return shapes
 
 
+# A layer's RMSNorms by ModelConfig.norm_placement: before attention, after it, before the MLP,
+# after it (None: no norm there). The names are those of Hugging Face's checkpoints.
+BLOCK_NORMS = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "sandwich": (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+}  # fmt: skip
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's key and shape; the single source of truth for init and loading."""
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (cfg.hidden_size,)
-        shapes |= _attention_shapes(cfg, f"{p}.self_attn")
+        attn_in, attn_out, mlp_in, mlp_out = (
+            {} if name is None else {f"{p}.{name}.weight": (cfg.hidden_size,)}
+            for name in BLOCK_NORMS[cfg.norm_placement]
+        )
+        shapes |= attn_in | _attention_shapes(cfg, f"{p}.self_attn")
         if cfg.attention_out_bias:
             shapes[f"{p}.self_attn.o_proj.bias"] = (cfg.hidden_size,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (cfg.hidden_size,)
-        shapes |= _mlp_shapes(cfg, f"{p}.mlp", i)
+        shapes |= attn_out | mlp_in | _mlp_shapes(cfg, f"{p}.mlp", i) | mlp_out
     shapes["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings and cfg.model_type == "decoder":
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
@@ -98,7 +111,8 @@ def init_params(
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Fresh weights: normal(0, initializer_range), output projections scaled down by depth
-    (GPT-2 style, so the residual stream does not grow with layers), norms one, biases zero."""
+    (GPT-2 style, so the residual stream does not grow with layers), norms one (their offsets
+    from one zero, with rms_norm_unit_offset), biases zero."""
     generator = torch.Generator().manual_seed(seed)
     depth_scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
     params = {}
@@ -106,7 +120,7 @@ def init_params(
         if key.endswith(".bias"):
             t = torch.zeros(shape)
         elif key.endswith("norm.weight"):
-            t = torch.ones(shape)
+            t = torch.zeros(shape) if cfg.rms_norm_unit_offset else torch.ones(shape)
         else:
             std = cfg.initializer_range
             if key.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

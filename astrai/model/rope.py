@@ -22,12 +22,15 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def inv_frequencies(cfg: ModelConfig, seq_len: int) -> tuple[torch.Tensor, float]:
-    """Per-pair rotation frequencies and the attention factor that scales cos/sin."""
-    dim, base = rope_dim(cfg), cfg.rope_theta
+def inv_frequencies(
+    cfg: ModelConfig, seq_len: int, local: bool = False
+) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation frequencies and the attention factor that scales cos/sin; local: those
+    of the sliding layers, by their own base and unscaled (Gemma 3)."""
+    dim, base = rope_dim(cfg), cfg.rope_local_base_freq if local else cfg.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     inv_freq = 1.0 / base**exponents
-    rs = cfg.rope_scaling
+    rs = None if local else cfg.rope_scaling
     if rs is None or rs.rope_type == "default":
         return inv_freq.float(), 1.0
     original = rs.original_max_position_embeddings or cfg.max_position_embeddings
@@ -83,14 +86,17 @@ def _llama3(inv_freq, rs, original) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    cfg: ModelConfig, positions: torch.Tensor, local: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [*positions.shape, rope_dim] in float32, for half-split pairs as Hugging
-    Face rotates them. The first half of sin is negated, so that `apply_rope` needs no sign flip."""
+    Face rotates them. The first half of sin is negated, so that `apply_rope` needs no sign flip.
+    local: the tables of the sliding layers (see inv_frequencies)."""
     # only dynamic NTK depends on the length; reading it elsewhere would sync (and break
     # torch.compile's graph) for nothing
     dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic"
     seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else 1
-    inv_freq, factor = inv_frequencies(cfg, seq_len)
+    inv_freq, factor = inv_frequencies(cfg, seq_len, local)
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos() * factor, angles.sin() * factor
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from astrai.config import ConfigError, model_config_from_json
-from astrai.model.hf_config import COMMON, FAMILIES, IGNORED, NEUTRAL, config_from_hf
+from astrai.model.hf_config import (
+    COMMON,
+    FAMILIES,
+    IGNORED,
+    NEUTRAL,
+    config_from_hf,
+    config_to_hf,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,6 +23,8 @@ CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "gemma2": "Gemma2Config",
+    "gemma3_text": "Gemma3TextConfig",
 }
 
 
@@ -31,17 +40,28 @@ def test_every_supported_family_has_its_transformers_config_class():
 @pytest.mark.parametrize("family", list(CONFIG_CLASSES))
 def test_every_key_transformers_writes_is_read_or_ignored(family):
     data = hf_defaults(family)
-    known = COMMON | FAMILIES[family].keys | set(NEUTRAL) | set(FAMILIES[family].neutral)
+    fam = FAMILIES[family]
+    known = COMMON | fam.keys | set(NEUTRAL) | set(fam.neutral)
     assert set(data) - known - IGNORED == set()
+    assert fam.keys - set(data) == set()  # the keys we write are the ones transformers writes
     cfg = config_from_hf(data)
     assert cfg.family == family
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+@pytest.mark.parametrize("family", list(CONFIG_CLASSES))
+def test_files_from_before_rope_parameters_read_alike(family):
+    data = hf_defaults(family)
+    older = {k: v for k, v in data.items() if k not in ("rope_parameters", "layer_types")}
+    assert config_from_hf(older) == config_from_hf(data)
 
 
 @pytest.mark.parametrize("family", list(CONFIG_CLASSES))
 def test_the_values_assumed_for_missing_keys_are_transformers_defaults(family):
     data = hf_defaults(family)
     for key, value in FAMILIES[family].defaults.items():
-        assert data[key] == value, key
+        if key in data:  # the RoPE bases are checked above
+            assert data[key] == value, key
 
 
 # Keys that change nothing unless another key switches them on: each is changed with these set.
@@ -49,6 +69,7 @@ SWITCHED_ON_BY = {
     "use_sliding_window": {"sliding_window": 4, "layer_types": None},
     "sliding_window": {"use_sliding_window": True, "layer_types": None},
     "max_window_layers": {"use_sliding_window": True, "sliding_window": 4, "layer_types": None},
+    "_sliding_window_pattern": {"layer_types": None},
 }
 
 
@@ -63,8 +84,16 @@ def changed(value):
             return 4
         case "silu":
             return "gelu_pytorch_tanh"
+        case "gelu_pytorch_tanh":
+            return "silu"
+        case ["sliding_attention", *rest]:
+            return ["full_attention", *rest]
+        case ["full_attention", *rest]:
+            return ["sliding_attention", *rest]
         case list():
-            return ["sliding_attention", *value[1:]] if value else [1]
+            return [*value, 1]
+        case {"sliding_attention": local}:  # RoPE by layer type: change the local one
+            return {**value, "sliding_attention": changed(local)}
         case dict():
             return {**value, "rope_theta": value["rope_theta"] * 2}
     raise AssertionError(f"no change for {value!r}")

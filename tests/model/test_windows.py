@@ -136,7 +136,7 @@ def test_stored_keys_without_the_window_mask_are_refused():
         ({"sliding_window": 0}, "sliding_window must be positive"),
         ({"layer_types": ("full_attention",) * 3}, None),
         ({"layer_types": ("sliding_attention",) * 3}, "set sliding_window"),
-        ({"sliding_window": 4, "layer_types": ("full_attention",)}, "3 layers"),
+        ({"sliding_window": 4, "layer_types": ("full_attention",)}, "num_hidden_layers = 3"),
         ({"sliding_window": 4, "model_type": "encoder"}, "causal decoders"),
     ],
 )
