@@ -25,9 +25,10 @@ class ConfigError(ValueError):
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """RoPE context extension, as Hugging Face writes it in config.json."""
 
-    rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3"] = "default"
+    rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"] = "default"
     """`linear` divides positions by `factor`; `dynamic` grows the base with the sequence (NTK);
-    `yarn` blends scaled and unscaled frequencies; `llama3` scales only low frequencies."""
+    `yarn` blends scaled and unscaled frequencies; `llama3` scales only low frequencies;
+    `longrope` divides each frequency by a factor of its own (Phi-3)."""
     factor: float = 1.0
     """How many times longer than the original context."""
     original_max_position_embeddings: int | None = None
@@ -42,16 +43,26 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mscale_all_dim: float | None = None
     """yarn: its divisor (DeepSeek). Not set: the plain YaRN factor."""
     attention_factor: float | None = None
-    """yarn: the attention scale itself, overriding both."""
+    """yarn: the attention scale itself, overriding both; longrope: the factor of cos and sin
+    (not set: sqrt(1 + ln(factor) / ln(original)))."""
     # llama3
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original / this are fully scaled."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original / this are kept."""
+    # longrope
+    short_factor: tuple[float, ...] | None = None
+    """longrope: a divisor per frequency, while every position is within the original context."""
+    long_factor: tuple[float, ...] | None = None
+    """longrope: the divisors once a position of the call is past it."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope needs short_factor and long_factor")
 
 
 # The Hugging Face model types read and written (astrai/model/hf_config.py, docs/models.md).
-HFFamily = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+HFFamily = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -119,6 +130,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rope_local_base_freq: float | None = None
     """RoPE base of the sliding layers, which rotate without `rope_scaling` (Gemma 3). Not set:
     every layer rotates alike."""
+    partial_rotary_factor: float = 1.0
+    """Share of each head's width that RoPE rotates, from its start; the rest passes as it is
+    (Phi-4-mini: 0.75)."""
     initializer_range: float = 0.02
     """Standard deviation of fresh weights (output projections are scaled down by depth)."""
     # multi-latent attention (DeepSeek-V2 style)
@@ -195,6 +209,21 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"1..n_routed_experts ({self.n_routed_experts})"
             )
         self._check_windows()
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        if self.attn_type == "mla" and self.partial_rotary_factor != 1:
+            raise ValueError("partial_rotary_factor is for grouped-query attention (attn_type gqa)")
+        rotated = self.rotary_dim if self.attn_type == "gqa" else self.qk_rope_head_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotated % 2 or not rotated:
+            raise ValueError(
+                f"partial_rotary_factor must leave an even, non-zero rotated width of each head, "
+                f"got {self.partial_rotary_factor} of head_dim {self.dim_per_head}"
+            )
+        rs, half = self.rope_scaling, rotated // 2
+        longrope = rs is not None and rs.rope_type == "longrope"
+        if longrope and not len(rs.short_factor) == len(rs.long_factor) == half:
+            raise ValueError(f"rope_scaling: longrope needs {half} short and {half} long factors")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
@@ -225,6 +254,11 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """Width of each head that RoPE rotates (grouped-query attention)."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
     def attention_scale(self) -> float | None:
         """The factor of the attention scores; None: the usual 1 / sqrt(head width)."""
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
@@ -237,12 +271,15 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "hidden_act", "attention_out_bias", "mlp_bias", "norm_placement",
             "rms_norm_unit_offset", "embedding_multiplier", "query_pre_attn_scalar",
             "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+            "partial_rotary_factor",
         )  # fmt: skip
         extras = [
             f"{k}={getattr(self, k)!r}" for k in fields if getattr(self, k) != getattr(plain, k)
         ]
         if self.has_sliding_layers:
             extras.append(f"sliding-window attention (sliding_window={self.sliding_window})")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope":
+            extras.append("rope_scaling.rope_type='longrope'")
         return extras
 
     def is_sliding_layer(self, i: int) -> bool:

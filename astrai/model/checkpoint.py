@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, model_config_from_json, write_model_config
 from astrai.model.hf_config import config_to_hf
+from astrai.model.hf_keys import params_from_hf, params_to_hf
 from astrai.model.params import param_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +49,8 @@ def save_pretrained(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = None if cfg.family is None else config_to_hf(cfg)  # refused before anything is written
-    tensors = {k: v.detach().contiguous().cpu() for k, v in params.items()}
+    tensors = params if hf is None else params_to_hf(params, cfg)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
     if hf is None:
         _atomic_write(path / "config.json", lambda tmp: write_model_config(tmp, cfg))
@@ -83,6 +85,8 @@ def load_pretrained(
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cfg = model_config_from_json(path / "config.json")
     tensors = _read_tensors(path)
+    if json.loads((path / "config.json").read_text()).get("model_type") == cfg.family:
+        tensors = params_from_hf(tensors, cfg)  # a Hugging Face folder, not ours
     # Old transformers checkpoints carry RoPE tables; tied models may repeat the embedding.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:

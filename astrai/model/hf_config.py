@@ -27,7 +27,7 @@ IGNORED = {
     # the labels of classification heads, which a causal language model does not have
     "id2label", "label2id", "problem_type",
     # regularisation transformers applies while training only; our trainer has its own
-    "attention_dropout", "output_router_logits",
+    "attention_dropout", "embd_pdrop", "resid_pdrop", "output_router_logits",
 }  # fmt: skip
 
 # Keys every family writes, read below, and keys of older files (transformers 5 moved them
@@ -114,6 +114,18 @@ FAMILIES: dict[str, Family] = {
         # only as an embedding model
         neutral={"attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False)},
         defaults={**GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
+    ),
+    "phi3": family(
+        "Phi3ForCausalLM",
+        {"hidden_act", "sliding_window", "original_max_position_embeddings"},
+        older={"partial_rotary_factor"},  # transformers 5 keeps it in rope_parameters
+        # Phi-4-mini's file names these at the values transformers' Phi-3 computes (it reads
+        # none of them: no biases, no other attention pattern or interpolation)
+        neutral={
+            "attention_bias": (False,), "mlp_bias": (False,), "lm_head_bias": (False,),
+            "full_attn_mod": (1,), "interpolate_factor": (1,),
+        },
+        defaults={**UNTIED, "original_max_position_embeddings": 4096},
     ),
 }  # fmt: skip
 
@@ -217,13 +229,31 @@ def _one_rope(params: dict[str, Any], hf: dict[str, Any], name: str, source: str
     theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or DEFAULT_THETA
     kind = rope.pop("rope_type", None) or rope.get("type") or "default"
     rope.pop("type", None)
+    out = {"rope_theta": float(theta)}
+    if "partial_rotary_factor" in FAMILIES[name].older:
+        out["partial_rotary_factor"] = rope.pop("partial_rotary_factor", None) or hf.get(
+            "partial_rotary_factor", 1.0
+        )
+    if name == "phi3" and kind in ("su", "yarn"):  # transformers' names of Phi-3's longrope
+        kind = "longrope"
+    if kind == "longrope":
+        rope = _longrope(rope, hf)
     if kind not in ROPE_TYPES:
         raise refused(source, "rope_parameters.rope_type", kind, name)
     if kind == "default" and rope:
         key, value = next(iter(rope.items()))
         raise refused(source, f"rope_parameters.{key}", value, name)
-    scaling = None if kind == "default" else {"rope_type": kind, **rope}
-    return {"rope_theta": float(theta), "rope_scaling": scaling}
+    return out | {"rope_scaling": None if kind == "default" else {"rope_type": kind, **rope}}
+
+
+def _longrope(rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's context lengths: the original one from the file's top level when the RoPE keys do
+    not say it, and the factor, when not given, as how many times longer the context became."""
+    original = rope.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings"
+    )
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    return {**rope, "original_max_position_embeddings": original, "factor": factor}
 
 
 # --- sliding windows -------------------------------------------------------------------------
@@ -301,6 +331,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
         "attn_logit_softcapping": cfg.attn_logit_softcapping,
         "final_logit_softcapping": cfg.final_logit_softcapping,
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+        "original_max_position_embeddings": (
+            cfg.rope_scaling.original_max_position_embeddings
+            if cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings
+            else cfg.max_position_embeddings
+        ),
     }
     out = {k: v for k, v in every.items() if k in COMMON | fam.keys | {"architectures"}}
     if cfg.head_dim is None:  # some families' modules take a head_dim of None at its word
@@ -324,11 +360,17 @@ ROPE_FIELDS = {
         "mscale_all_dim", "attention_factor",
     ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": (
+        "factor", "original_max_position_embeddings", "attention_factor", "short_factor",
+        "long_factor",
+    ),
 }  # fmt: skip
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.family == "phi3":
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
     if (rs := cfg.rope_scaling) is not None:
         rope |= {"rope_type": rs.rope_type}
         rope |= {k: getattr(rs, k) for k in ROPE_FIELDS[rs.rope_type] if getattr(rs, k) is not None}

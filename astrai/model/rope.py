@@ -15,7 +15,7 @@ from astrai.model.layers import cast
 
 
 def rope_dim(cfg: ModelConfig) -> int:
-    return cfg.qk_rope_head_dim if cfg.attn_type == "mla" else cfg.dim_per_head
+    return cfg.qk_rope_head_dim if cfg.attn_type == "mla" else cfg.rotary_dim
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -49,6 +49,8 @@ def inv_frequencies(
             return _yarn(inv_freq, dim, base, rs, original)
         case "llama3":
             return _llama3(inv_freq, rs, original).float(), 1.0
+        case "longrope":
+            return _longrope(inv_freq, rs, original, seq_len)
     raise ValueError(f"unknown rope_scaling.rope_type {rs.rope_type!r}")
 
 
@@ -75,6 +77,20 @@ def _yarn(inv_freq, dim, base, rs, original) -> tuple[torch.Tensor, float]:
     return blended.float(), attention_factor
 
 
+def _longrope(inv_freq, rs, original, seq_len) -> tuple[torch.Tensor, float]:
+    """Phi-3: each frequency divided by a factor of its own, the long ones once the call reaches
+    past the original context (as transformers decides, by the largest position of the call);
+    cos and sin scaled by sqrt(1 + ln(factor) / ln(original)) unless given."""
+    factors = rs.long_factor if seq_len > original else rs.short_factor
+    attention_factor = rs.attention_factor
+    if attention_factor is None:
+        scaled = rs.factor > 1.0
+        attention_factor = (
+            math.sqrt(1 + math.log(rs.factor) / math.log(original)) if scaled else 1.0
+        )
+    return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float(), attention_factor
+
+
 def _llama3(inv_freq, rs, original) -> torch.Tensor:
     low_wavelen = original / rs.low_freq_factor
     high_wavelen = original / rs.high_freq_factor
@@ -92,10 +108,11 @@ def rope_tables(
     """cos, sin of shape [*positions.shape, rope_dim] in float32, for half-split pairs as Hugging
     Face rotates them. The first half of sin is negated, so that `apply_rope` needs no sign flip.
     local: the tables of the sliding layers (see inv_frequencies)."""
-    # only dynamic NTK depends on the length; reading it elsewhere would sync (and break
-    # torch.compile's graph) for nothing
-    dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic"
-    seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else 1
+    # only dynamic NTK and longrope depend on the length; reading it elsewhere would sync (and
+    # break torch.compile's graph) for nothing
+    rs = cfg.rope_scaling
+    by_length = rs is not None and rs.rope_type in ("dynamic", "longrope") and not local
+    seq_len = int(positions.max()) + 1 if by_length and positions.numel() else 1
     inv_freq, factor = inv_frequencies(cfg, seq_len, local)
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos() * factor, angles.sin() * factor
@@ -104,9 +121,12 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, T, H, D] (or [B, T, D]) by the tables of `rope_tables` [B, T, D] (or
-    [B, T, 1, D], unsqueezed once for all the heads of x)."""
+    [B, T, 1, D], unsqueezed once for all the heads of x). Tables narrower than the heads rotate
+    their first dimensions and pass the rest (partial_rotary_factor)."""
     if cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    if (rotated := cos.shape[-1]) < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]], dim=-1)
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rolling by half swaps the halves and the
     # table carries the sign, three ops where a decode step is bound by the count of small ops.
     return cast(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin), x.dtype)

@@ -27,9 +27,30 @@ SHAPE = dict(
     initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
 )  # fmt: skip
 MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
+LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+}
 
 # family: (config class, model class, the settings that exercise what sets it apart)
 FAMILIES = {
+    "llama": (  # Llama 3.2: llama3 RoPE scaling, tied embeddings
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+        }),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "qwen2": (  # windows from max_window_layers on, q/k/v biases
+        "Qwen2Config", "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "qwen3": (
+        "Qwen3Config", "Qwen3ForCausalLM",
+        dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, layer_types=MIXED),
+    ),
     "gemma2": (
         "Gemma2Config", "Gemma2ForCausalLM",
         dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
@@ -44,6 +65,11 @@ FAMILIES = {
                  "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
              }),
     ),
+    "phi3": (  # Phi-4-mini: a quarter of each head unrotated, LongRoPE, fused projections
+        "Phi3Config", "Phi3ForCausalLM",
+        dict(sliding_window=WINDOW, partial_rotary_factor=0.75, max_position_embeddings=256,
+             original_max_position_embeddings=64, rope_scaling=LONGROPE),
+    ),
 }  # fmt: skip
 
 
@@ -53,7 +79,7 @@ def hf(request, tmp_path_factory):
     so that a norm or a bias read wrongly shows."""
     family = request.param
     config_cls, model_cls, settings = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**SHAPE, **settings)
+    config = getattr(transformers, config_cls)(**{**SHAPE, **settings})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -151,3 +177,16 @@ def test_forward_in_bfloat16_matches_transformers(hf):
         ours = forward(params, cfg, tokens).float()
     close = tolerance(8 * cfg.num_hidden_layers, torch.bfloat16, expected.abs().max().item())
     torch.testing.assert_close(ours, expected, **close)
+
+
+def test_longrope_takes_the_long_factors_once_a_call_reaches_past_the_original_context(tmp_path):
+    settings = {**SHAPE, **FAMILIES["phi3"][2], "original_max_position_embeddings": 8}
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**settings)).eval()
+    model.save_pretrained(tmp_path)
+    params, cfg = load_pretrained(tmp_path)
+    for length in (8, LENGTH):  # within the original context, and past it
+        tokens = tokens_of(1, length, seed=7)
+        with torch.no_grad():
+            expected = model(tokens).logits
+        assert_close(forward(params, cfg, tokens), expected, forward_roundings(cfg, length))

@@ -25,6 +25,7 @@ CONFIG_CLASSES = {
     "qwen3": "Qwen3Config",
     "gemma2": "Gemma2Config",
     "gemma3_text": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
 }
 
 
@@ -70,7 +71,14 @@ SWITCHED_ON_BY = {
     "sliding_window": {"use_sliding_window": True, "layer_types": None},
     "max_window_layers": {"use_sliding_window": True, "sliding_window": 4, "layer_types": None},
     "_sliding_window_pattern": {"layer_types": None},
+    "original_max_position_embeddings": lambda data: {"rope_parameters": longrope(data)},
 }
+
+
+def longrope(data: dict) -> dict:
+    half = data["hidden_size"] // data["num_attention_heads"] // 2
+    factors = {"short_factor": [1.0] * half, "long_factor": [2.0] * half}
+    return {"rope_type": "longrope", "rope_theta": 1e4, **factors}
 
 
 def changed(value):
@@ -103,7 +111,10 @@ def changed(value):
 def test_changing_a_key_that_is_not_ignored_changes_the_model_or_is_refused(family):
     data = hf_defaults(family)
     for key in sorted(set(data) - IGNORED - {"model_type"}):
-        context = {k: v for k, v in SWITCHED_ON_BY.get(key, {}).items() if k in data}
+        switch = SWITCHED_ON_BY.get(key, {})
+        context = {
+            k: v for k, v in (switch(data) if callable(switch) else switch).items() if k in data
+        }
         before = {**data, **context}
         after = {**before, key: changed(before[key])}
         try:
