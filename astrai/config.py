@@ -62,7 +62,10 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # The Hugging Face model types read and written (astrai/model/hf_config.py, docs/models.md).
-HFFamily = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+HFFamily = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "olmo2",
+    "granite",
+]  # fmt: skip
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -103,24 +106,34 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The gated MLP's activation, and its experts': `silu` (SwiGLU) or `gelu_pytorch_tanh`
     (GeGLU with the tanh approximation of GELU, as Gemma)."""
     use_qk_norm: bool = False
-    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    """RMSNorm over the queries and keys before RoPE (Qwen3, Gemma 3, OLMo 2)."""
+    qk_norm_per_head: bool = True
+    """use_qk_norm: normalise each head on its own (weights of head_dim: Qwen3, Gemma 3) or, off,
+    all the heads of q and of k at once (weights of heads x head_dim: OLMo 2)."""
     use_gated_attention: bool = False
     """`q_proj` is twice as wide; its second half gates the attention output through a sigmoid."""
-    norm_placement: Literal["pre", "sandwich"] = "pre"
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
     """Where each block's RMSNorms sit. `pre` (Llama): on the input of attention and of the MLP;
-    `sandwich` (Gemma 2 / 3): on their input, and on their output before the residual add."""
+    `sandwich` (Gemma 2 / 3): on their input, and on their output before the residual add;
+    `post` (OLMo 2): on their output only."""
     rms_norm_unit_offset: bool = False
     """Every RMSNorm scales by 1 + weight, in float32 (Gemma): the stored weights are offsets
     from one."""
     embedding_multiplier: float = 1.0
     """The embeddings are multiplied by this, rounded to their dtype, before the first layer
-    (sqrt(hidden_size) for Gemma)."""
+    (Granite's multiplier; sqrt(hidden_size) for Gemma)."""
+    residual_multiplier: float = 1.0
+    """Each block's output is multiplied by this before the residual add (Granite)."""
+    attention_multiplier: float | None = None
+    """The attention scores are scaled by this (Granite). Not set: by query_pre_attn_scalar."""
     query_pre_attn_scalar: int | None = None
     """The attention scores are scaled by 1 / sqrt(this) (Gemma). Not set: the head width."""
     attn_logit_softcapping: float | None = None
     """Attention scores s become cap * tanh(s / cap) (Gemma 2). Not set: no cap."""
     final_logit_softcapping: float | None = None
     """The output logits are capped the same way (Gemma 2). Not set: no cap."""
+    logits_scaling: float = 1.0
+    """The output logits are divided by this (Granite)."""
     sliding_window: int | None = None
     """Sliding layers attend to the last `sliding_window` positions, their own included. Not
     set: every layer attends to the whole sequence."""
@@ -133,6 +146,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     partial_rotary_factor: float = 1.0
     """Share of each head's width that RoPE rotates, from its start; the rest passes as it is
     (Phi-4-mini: 0.75)."""
+    nope_layers: tuple[int, ...] = ()
+    """Layers that apply no RoPE at all (SmolLM3: every fourth)."""
     initializer_range: float = 0.02
     """Standard deviation of fresh weights (output projections are scaled down by depth)."""
     # multi-latent attention (DeepSeek-V2 style)
@@ -212,8 +227,13 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         self._check_rope()
 
     def _check_rope(self) -> None:
-        if self.attn_type == "mla" and self.partial_rotary_factor != 1:
-            raise ValueError("partial_rotary_factor is for grouped-query attention (attn_type gqa)")
+        if self.attn_type == "mla" and (self.partial_rotary_factor != 1 or self.nope_layers):
+            raise ValueError(
+                "partial_rotary_factor and nope_layers are for grouped-query attention (attn_type "
+                "gqa)"
+            )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers must be layer indices, got {self.nope_layers}")
         rotated = self.rotary_dim if self.attn_type == "gqa" else self.qk_rope_head_dim
         if not 0 < self.partial_rotary_factor <= 1 or rotated % 2 or not rotated:
             raise ValueError(
@@ -227,6 +247,14 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
+        if self.attention_multiplier is not None and self.query_pre_attn_scalar is not None:
+            raise ValueError("give attention_multiplier or query_pre_attn_scalar, not both")
+        if self.logits_scaling == 0:
+            raise ValueError("logits_scaling must not be 0")
+        if not self.qk_norm_per_head and self.use_gated_attention:
+            raise ValueError(
+                "qk_norm_per_head = false normalises plain queries: no gated attention"
+            )
 
     def _check_windows(self) -> None:
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -261,6 +289,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def attention_scale(self) -> float | None:
         """The factor of the attention scores; None: the usual 1 / sqrt(head width)."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
 
     def beyond_llama(self) -> list[str]:
@@ -268,10 +298,11 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         that speak only that layout)."""
         plain = ModelConfig(vocab_size=self.vocab_size)
         fields = (
-            "hidden_act", "attention_out_bias", "mlp_bias", "norm_placement",
-            "rms_norm_unit_offset", "embedding_multiplier", "query_pre_attn_scalar",
-            "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-            "partial_rotary_factor",
+            "hidden_act", "attention_out_bias", "mlp_bias", "norm_placement", "qk_norm_per_head",
+            "rms_norm_unit_offset", "embedding_multiplier", "residual_multiplier",
+            "attention_multiplier", "query_pre_attn_scalar", "attn_logit_softcapping",
+            "final_logit_softcapping", "logits_scaling", "rope_local_base_freq",
+            "partial_rotary_factor", "nope_layers",
         )  # fmt: skip
         extras = [
             f"{k}={getattr(self, k)!r}" for k in fields if getattr(self, k) != getattr(plain, k)

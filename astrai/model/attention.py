@@ -36,10 +36,12 @@ def identity_store(
 # --- grouped-query attention -------------------------------------------------------------
 
 
-def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
+def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, rope, lora):
+    """rope: the (cos, sin) tables, or None in a layer without RoPE."""
     B, T, _ = x.shape
     H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # one table for every head
+    if rope is not None:
+        cos, sin = rope[0].unsqueeze(2), rope[1].unsqueeze(2)  # one table for every head
     plain = not (cfg.use_gated_attention or cfg.use_qk_norm or lora)
     if plain and f"{prefix}.qkv_proj.weight" in params:
         # Fused inference weights give queries and keys side by side: rotating them as one
@@ -47,18 +49,24 @@ def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
         qk, v = linear(params, f"{prefix}.qkv_proj", x).split_with_sizes(
             [(H + Hkv) * D, Hkv * D], dim=-1
         )
-        q, k = apply_rope(qk.view(B, T, H + Hkv, D), cos, sin).split_with_sizes([H, Hkv], dim=2)
+        qk = qk.view(B, T, H + Hkv, D)
+        q, k = (qk if rope is None else apply_rope(qk, cos, sin)).split_with_sizes([H, Hkv], 2)
         return q, k, v.view(B, T, Hkv, D), None
     q, k, v = fused_linear(params, prefix, "qkv_proj", x, lora, (None, Hkv * D, Hkv * D))
+    if cfg.use_qk_norm and not cfg.qk_norm_per_head:  # OLMo 2: all heads at once
+        q = norm(params, cfg, f"{prefix}.q_norm.weight", q)
+        k = norm(params, cfg, f"{prefix}.k_norm.weight", k)
     q = q.reshape(B, T, H, -1)
     gate = None
     if cfg.use_gated_attention:
         q, gate = q.split(D, dim=-1)
     k = k.reshape(B, T, Hkv, D)
     v = v.reshape(B, T, Hkv, D)
-    if cfg.use_qk_norm:
+    if cfg.use_qk_norm and cfg.qk_norm_per_head:
         q = norm(params, cfg, f"{prefix}.q_norm.weight", q)
         k = norm(params, cfg, f"{prefix}.k_norm.weight", k)
+    if rope is None:
+        return q, k, v, gate
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
@@ -84,8 +92,9 @@ def mla_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
+def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, rope, lora):
     B, T, _ = x.shape
+    cos, sin = rope
     if cfg.q_lora_rank:
         q = linear(params, f"{prefix}.q_a_proj", x, lora)
         q = norm(params, cfg, f"{prefix}.q_a_layernorm.weight", q)
@@ -125,7 +134,7 @@ def attention_layer(
     cfg: ModelConfig,
     layer: int,
     x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
     kv_store: KVStore,
     mask: torch.Tensor | None,
     causal: bool,
@@ -133,6 +142,6 @@ def attention_layer(
 ) -> torch.Tensor:
     qkv, out = ATTENTION[cfg.attn_type]
     prefix = f"model.layers.{layer}.self_attn"
-    q, k_new, v_new, gate = qkv(params, cfg, prefix, x, *rope, lora)
+    q, k_new, v_new, gate = qkv(params, cfg, prefix, x, rope, lora)
     k, v = kv_store(layer, k_new, v_new)
     return out(params, cfg, prefix, q, k, v, mask, causal, gate, lora)

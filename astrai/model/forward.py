@@ -90,6 +90,7 @@ def decode_layers(
     aux = x.new_zeros((), dtype=torch.float32)
     for i in range(cfg.num_hidden_layers):
         layer_mask, layer_rope = (sliding, local) if cfg.is_sliding_layer(i) else (mask, rope)
+        layer_rope = None if i in cfg.nope_layers else layer_rope
         args = (params, cfg, i, x, layer_rope, kv_store, layer_mask, causal, lora)
         if checkpoint:
             x, layer_aux = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
@@ -106,13 +107,13 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     attn_in, attn_out, mlp_in, mlp_out = BLOCK_NORMS[cfg.norm_placement]
     h = _norm_at(params, cfg, p, attn_in, x)
     h = attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
-    x = x + _norm_at(params, cfg, p, attn_out, h)
+    x = x + _block_output(params, cfg, p, attn_out, h)
     h = _norm_at(params, cfg, p, mlp_in, x)
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:
         y, aux = gated_mlp(params, f"{p}.mlp", h, lora, cfg.hidden_act), None
-    return x + _norm_at(params, cfg, p, mlp_out, y), aux
+    return x + _block_output(params, cfg, p, mlp_out, y), aux
 
 
 def _norm_at(params: Params, cfg: ModelConfig, prefix: str, name: str | None, x: torch.Tensor):
@@ -120,9 +121,18 @@ def _norm_at(params: Params, cfg: ModelConfig, prefix: str, name: str | None, x:
     return x if name is None else norm(params, cfg, f"{prefix}.{name}.weight", x)
 
 
+def _block_output(params: Params, cfg: ModelConfig, prefix: str, name: str | None, y):
+    """What a block adds to the residual stream: y through its output norm, if any, times the
+    residual multiplier (Granite)."""
+    y = _norm_at(params, cfg, prefix, name, y)
+    return y if cfg.residual_multiplier == 1.0 else y * cfg.residual_multiplier
+
+
 def lm_head(params: Params, cfg: ModelConfig, hidden: torch.Tensor) -> torch.Tensor:
     weight = params.get("lm_head.weight", params["model.embed_tokens.weight"])
     logits = project(hidden, weight)
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
     if cfg.final_logit_softcapping is not None:
         cap = cfg.final_logit_softcapping
         logits = torch.tanh(logits / cap) * cap

@@ -83,6 +83,7 @@ GEMMA_DEFAULTS = {
     "query_pre_attn_scalar": 256, "sliding_window": 4096,
 }  # fmt: skip
 UNTIED = {"tie_word_embeddings": False}
+GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 FAMILIES: dict[str, Family] = {
     "llama": family("LlamaForCausalLM", {"hidden_act", "attention_bias", "mlp_bias"}, defaults=UNTIED),
@@ -126,6 +127,25 @@ FAMILIES: dict[str, Family] = {
             "full_attn_mod": (1,), "interpolate_factor": (1,),
         },
         defaults={**UNTIED, "original_max_position_embeddings": 4096},
+    ),
+    "smollm3": family(
+        "SmolLM3ForCausalLM",
+        {"hidden_act", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
+         "layer_types", "no_rope_layers", "no_rope_layer_interval"},
+        # its first files carry Qwen2's max_window_layers, which transformers' SmolLM3 does not
+        # read: layer_types (or the NoPE layers) say which layers slide
+        older={"max_window_layers"},
+        defaults={"tie_word_embeddings": True, "no_rope_layer_interval": 4, "rope_theta": 2e6},
+    ),
+    "olmo2": family(
+        "Olmo2ForCausalLM", {"hidden_act", "attention_bias"},
+        fixed={"norm_placement": "post", "use_qk_norm": True, "qk_norm_per_head": False},
+        defaults=UNTIED,
+    ),
+    "granite": family(
+        "GraniteForCausalLM",
+        {"hidden_act", "attention_bias", "mlp_bias", *GRANITE},
+        defaults={**UNTIED, **dict.fromkeys(GRANITE, 1.0)},
     ),
 }  # fmt: skip
 
@@ -194,8 +214,28 @@ def _gemma(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _granite(hf: dict[str, Any]) -> dict[str, Any]:
+    """Granite: multipliers of the embeddings, each block's output and the attention scores,
+    and a divisor of the logits."""
+    return {k: hf[k] for k in GRANITE}
+
+
+def _rope_flags(hf: dict[str, Any]) -> list[int]:
+    """SmolLM3's no_rope_layers: 1 where a layer applies RoPE; by default all but every
+    no_rope_layer_interval-th."""
+    every = hf["no_rope_layer_interval"]
+    flags = hf.get("no_rope_layers") or [
+        int((i + 1) % every != 0) for i in range(hf["num_hidden_layers"])
+    ]
+    return flags[: hf["num_hidden_layers"]]
+
+
+def _smollm3(hf: dict[str, Any]) -> dict[str, Any]:
+    return {"nope_layers": [i for i, rotates in enumerate(_rope_flags(hf)) if not rotates]}
+
+
 # The fields a family reads beyond those every family has.
-READERS = {"gemma2": _gemma, "gemma3_text": _gemma}
+READERS = {"gemma2": _gemma, "gemma3_text": _gemma, "granite": _granite, "smollm3": _smollm3}
 
 
 # --- RoPE ----------------------------------------------------------------------------------
@@ -278,12 +318,18 @@ def _gemma3_layers(hf: dict[str, Any]) -> list[str]:
     return [_type((i + 1) % every != 0) for i in range(hf["num_hidden_layers"])]
 
 
+def _smollm3_layers(hf: dict[str, Any]) -> list[str]:
+    """SmolLM3: the layers without RoPE."""
+    return [_type(not rotates) for rotates in _rope_flags(hf)]
+
+
 # Which layers slide when a file names a window but no layer_types; not listed: every layer.
 DEFAULT_LAYER_TYPES = {
     "qwen2": _after_max_window_layers,
     "qwen3": _after_max_window_layers,
     "gemma2": _gemma2_layers,
     "gemma3_text": _gemma3_layers,
+    "smollm3": _smollm3_layers,
 }
 
 
@@ -332,6 +378,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "attn_logit_softcapping": cfg.attn_logit_softcapping,
         "final_logit_softcapping": cfg.final_logit_softcapping,
         "partial_rotary_factor": cfg.partial_rotary_factor,
+        **{k: getattr(cfg, k) for k in GRANITE},
+        "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(L)],
+        "no_rope_layer_interval": 4,  # transformers reads no_rope_layers first
         "original_max_position_embeddings": (
             cfg.rope_scaling.original_max_position_embeddings
             if cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings

@@ -42,7 +42,9 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         shapes |= {f"{p}.q_proj.bias": (q_out,), f"{p}.k_proj.bias": (Hkv * D,)}
         shapes[f"{p}.v_proj.bias"] = (Hkv * D,)
     if cfg.use_qk_norm:
-        shapes |= {f"{p}.q_norm.weight": (D,), f"{p}.k_norm.weight": (D,)}
+        per_head = cfg.qk_norm_per_head
+        shapes[f"{p}.q_norm.weight"] = (D,) if per_head else (H * D,)
+        shapes[f"{p}.k_norm.weight"] = (D,) if per_head else (Hkv * D,)
     return shapes
 
 
@@ -82,6 +84,7 @@ BLOCK_NORMS = {
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
         "post_feedforward_layernorm",
     ),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
 }  # fmt: skip
 
 

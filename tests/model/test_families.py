@@ -70,6 +70,17 @@ FAMILIES = {
         dict(sliding_window=WINDOW, partial_rotary_factor=0.75, max_position_embeddings=256,
              original_max_position_embeddings=64, rope_scaling=LONGROPE),
     ),
+    "smollm3": (  # NoPE on every second layer here, and a window on it
+        "SmolLM3Config", "SmolLM3ForCausalLM",
+        dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW,
+             attention_bias=True, mlp_bias=True),
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True)),
+    "granite": (
+        "GraniteConfig", "GraniteForCausalLM",
+        dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+             logits_scaling=2.5, mlp_bias=True),
+    ),
 }  # fmt: skip
 
 

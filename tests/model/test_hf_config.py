@@ -26,6 +26,9 @@ CONFIG_CLASSES = {
     "gemma2": "Gemma2Config",
     "gemma3_text": "Gemma3TextConfig",
     "phi3": "Phi3Config",
+    "smollm3": "SmolLM3Config",
+    "olmo2": "Olmo2Config",
+    "granite": "GraniteConfig",
 }
 
 
@@ -71,6 +74,7 @@ SWITCHED_ON_BY = {
     "sliding_window": {"use_sliding_window": True, "layer_types": None},
     "max_window_layers": {"use_sliding_window": True, "sliding_window": 4, "layer_types": None},
     "_sliding_window_pattern": {"layer_types": None},
+    "no_rope_layer_interval": {"no_rope_layers": None},
     "original_max_position_embeddings": lambda data: {"rope_parameters": longrope(data)},
 }
 
@@ -98,6 +102,8 @@ def changed(value):
             return ["full_attention", *rest]
         case ["full_attention", *rest]:
             return ["sliding_attention", *rest]
+        case [int() as first, *rest]:
+            return [1 - first, *rest]
         case list():
             return [*value, 1]
         case {"sliding_attention": local}:  # RoPE by layer type: change the local one
