@@ -63,8 +63,8 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 # The Hugging Face model types read and written (astrai/model/hf_config.py, docs/models.md).
 HFFamily = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "olmo2",
-    "granite",
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3",
+    "smollm3", "olmo2", "granite",
 ]  # fmt: skip
 
 
@@ -183,6 +183,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """moe: layer i is MoE when `i % decoder_sparse_step == 0`."""
     first_k_dense_replace: int = 0
     """moe: the first k layers stay dense."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """moe: these layers stay dense too (Qwen3-MoE)."""
     router_aux_loss_coef: float = 0.01
     """moe: weight of the load-balancing loss in training (`loss.aux_loss_coef` overrides it)."""
     # "decoder" is causal; "encoder" attends both ways and is used through `encode`
@@ -232,8 +234,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "partial_rotary_factor and nope_layers are for grouped-query attention (attn_type "
                 "gqa)"
             )
-        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
-            raise ValueError(f"nope_layers must be layer indices, got {self.nope_layers}")
+        for name in ("nope_layers", "mlp_only_layers"):
+            if any(not 0 <= i < self.num_hidden_layers for i in getattr(self, name)):
+                raise ValueError(f"{name} must be layer indices, got {getattr(self, name)}")
         rotated = self.rotary_dim if self.attn_type == "gqa" else self.qk_rope_head_dim
         if not 0 < self.partial_rotary_factor <= 1 or rotated % 2 or not rotated:
             raise ValueError(
@@ -327,6 +330,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.ffn_type == "moe"
             and i >= self.first_k_dense_replace
             and i % self.decoder_sparse_step == 0
+            and i not in self.mlp_only_layers
         )
 
 

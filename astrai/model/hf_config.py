@@ -27,7 +27,9 @@ IGNORED = {
     # the labels of classification heads, which a causal language model does not have
     "id2label", "label2id", "problem_type",
     # regularisation transformers applies while training only; our trainer has its own
-    "attention_dropout", "embd_pdrop", "resid_pdrop", "output_router_logits",
+    "attention_dropout", "embd_pdrop", "resid_pdrop", "router_jitter_noise",
+    # what transformers' forward returns besides the logits
+    "output_router_logits",
 }  # fmt: skip
 
 # Keys every family writes, read below, and keys of older files (transformers 5 moved them
@@ -84,6 +86,13 @@ GEMMA_DEFAULTS = {
 }  # fmt: skip
 UNTIED = {"tie_word_embeddings": False}
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+# Mixtral and Qwen3-MoE: routed experts only, no expert every token goes through
+ROUTED_ONLY = {
+    "ffn_type": "moe",
+    "n_shared_experts": 0,
+    "first_k_dense_replace": 0,
+    "decoder_sparse_step": 1,
+}
 
 FAMILIES: dict[str, Family] = {
     "llama": family("LlamaForCausalLM", {"hidden_act", "attention_bias", "mlp_bias"}, defaults=UNTIED),
@@ -100,6 +109,24 @@ FAMILIES: dict[str, Family] = {
         "Qwen3ForCausalLM", {"hidden_act", "attention_bias", *WINDOWS},
         fixed={"use_qk_norm": True},
         defaults={**UNTIED, "max_window_layers": 28},
+    ),
+    "qwen3_moe": family(
+        "Qwen3MoeForCausalLM",
+        {"hidden_act", "attention_bias", "use_sliding_window", "sliding_window", "num_local_experts",
+         "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+         "mlp_only_layers", "router_aux_loss_coef"},
+        # num_experts: transformers 5 writes num_local_experts. max_window_layers: released files
+        # have it, transformers' Qwen3-MoE does not read it (a window would cover every layer)
+        older={"num_experts", "max_window_layers"},
+        fixed={**ROUTED_ONLY, "use_qk_norm": True},
+        defaults={**UNTIED, "norm_topk_prob": False, "decoder_sparse_step": 1},
+    ),
+    "mixtral": family(
+        "MixtralForCausalLM",
+        {"hidden_act", "sliding_window", "num_local_experts", "num_experts_per_tok",
+         "router_aux_loss_coef"},
+        fixed={**ROUTED_ONLY, "norm_topk_prob": True},
+        defaults={**UNTIED, "rope_theta": 1e6},
     ),
     "gemma2": family(
         "Gemma2ForCausalLM", GEMMA, older={"hidden_act"},
@@ -234,8 +261,30 @@ def _smollm3(hf: dict[str, Any]) -> dict[str, Any]:
     return {"nope_layers": [i for i, rotates in enumerate(_rope_flags(hf)) if not rotates]}
 
 
+def _experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral / Qwen3-MoE's routed experts. Mixtral's are intermediate_size wide; Qwen3-MoE
+    keeps dense MLPs in mlp_only_layers and wherever (i + 1) % decoder_sparse_step != 0."""
+    L, every = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or ()) | {i for i in range(L) if (i + 1) % every}
+    return {
+        "n_routed_experts": hf.get("num_local_experts", hf.get("num_experts")),
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf.get("moe_intermediate_size", hf["intermediate_size"]),
+        "norm_topk_prob": hf.get("norm_topk_prob", True),
+        "mlp_only_layers": sorted(dense),
+        **{k: hf[k] for k in ("router_aux_loss_coef",) if k in hf},
+    }
+
+
 # The fields a family reads beyond those every family has.
-READERS = {"gemma2": _gemma, "gemma3_text": _gemma, "granite": _granite, "smollm3": _smollm3}
+READERS = {
+    "gemma2": _gemma,
+    "gemma3_text": _gemma,
+    "granite": _granite,
+    "smollm3": _smollm3,
+    "qwen3_moe": _experts,
+    "mixtral": _experts,
+}
 
 
 # --- RoPE ----------------------------------------------------------------------------------
@@ -381,6 +430,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **{k: getattr(cfg, k) for k in GRANITE},
         "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(L)],
         "no_rope_layer_interval": 4,  # transformers reads no_rope_layers first
+        "num_local_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
         "original_max_position_embeddings": (
             cfg.rope_scaling.original_max_position_embeddings
             if cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings

@@ -51,6 +51,15 @@ FAMILIES = {
         "Qwen3Config", "Qwen3ForCausalLM",
         dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, layer_types=MIXED),
     ),
+    "qwen3_moe": (  # routed experts only, a dense layer between the sparse ones
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    "mixtral": (
+        "MixtralConfig", "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
     "gemma2": (
         "Gemma2Config", "Gemma2ForCausalLM",
         dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,

@@ -23,6 +23,8 @@ CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
     "gemma2": "Gemma2Config",
     "gemma3_text": "Gemma3TextConfig",
     "phi3": "Phi3Config",
