@@ -323,6 +323,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def has_sliding_layers(self) -> bool:
+        if self.sliding_window is None:
+            return False
         return any(self.is_sliding_layer(i) for i in range(self.num_hidden_layers))
 
     def is_moe_layer(self, i: int) -> bool:
