@@ -145,8 +145,21 @@ def test_changing_a_key_that_is_not_ignored_changes_the_model_or_is_refused(fami
         ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "truncate": False}},
          "truncate"),
         ("llama", {"sliding_window": 4}, "sliding_window: 4 is not supported (llama)"),
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1.0,
+                                       "partial_rotary_factor": 0.5}},
+         "rope_parameters.partial_rotary_factor: 0.5 is not supported (llama)"),
+        ("llama", {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+         "rope_parameters: "),
         ("mistral", {"layer_types": ["full_attention"] * 32}, "layer_types"),
         ("qwen2", {"layer_types": ["sliding_attention"] * 24}, "no sliding_window"),
+        ("gemma2", {"hidden_act": "silu"}, "hidden_act: silu disagrees with hidden_activation"),
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation: gelu is not supported"),
+        ("gemma3_text", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+         "rope_parameters.sliding_attention.rope_type: linear is not supported"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+         "longrope needs short_factor and long_factor"),
     ],
 )  # fmt: skip
 def test_what_we_do_not_compute_is_refused_by_name(tmp_path, family, change, message):
@@ -163,3 +176,24 @@ def test_an_unknown_model_type_is_refused_by_name(tmp_path):
     path.write_text('{"model_type": "gpt_neox", "hidden_size": 64}')
     with pytest.raises(ConfigError, match="model_type: gpt_neox is not supported"):
         model_config_from_json(path)
+
+
+def other_than(allowed: tuple):
+    return next(v for v in (True, 2, 0.5, "other") if v not in allowed)
+
+
+@pytest.mark.parametrize(
+    ("family", "key"),
+    [(f, key) for f, fam in FAMILIES.items() for key in {**NEUTRAL, **fam.neutral}],
+)
+def test_keys_accepted_at_one_value_are_refused_at_any_other(family, key):
+    fam = FAMILIES[family]
+    allowed = {**NEUTRAL, **fam.neutral}[key]
+    with pytest.raises(ConfigError, match=f"{key}: .* is not supported \\({family}\\)"):
+        config_from_hf({**hf_defaults(family), key: other_than(allowed)})
+
+
+@pytest.mark.parametrize("family", list(CONFIG_CLASSES))
+def test_a_key_no_family_reads_is_refused(family):
+    with pytest.raises(ConfigError, match=f"attn_sinks: true is not supported \\({family}\\)"):
+        config_from_hf({**hf_defaults(family), "attn_sinks": True})
