@@ -225,8 +225,27 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                 f"1..n_routed_experts ({self.n_routed_experts})"
             )
-        self._check_windows()
+        self._check_layers()
         self._check_rope()
+        self._check_attention()
+
+    def _check_layers(self) -> None:
+        L = self.num_hidden_layers
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"sliding_window must be positive when given, got {self.sliding_window}"
+            )
+        if self.sliding_window is not None and self.model_type == "encoder":
+            raise ValueError("sliding_window is for causal decoders (model_type 'decoder')")
+        if self.layer_types is not None and len(self.layer_types) != L:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers = {L}"
+            )
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise ValueError("layer_types names sliding_attention layers: set sliding_window")
+        for name in ("nope_layers", "mlp_only_layers"):
+            if any(not 0 <= i < L for i in getattr(self, name)):
+                raise ValueError(f"{name} must be layer indices, got {getattr(self, name)}")
 
     def _check_rope(self) -> None:
         if self.attn_type == "mla" and (self.partial_rotary_factor != 1 or self.nope_layers):
@@ -234,9 +253,6 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "partial_rotary_factor and nope_layers are for grouped-query attention (attn_type "
                 "gqa)"
             )
-        for name in ("nope_layers", "mlp_only_layers"):
-            if any(not 0 <= i < self.num_hidden_layers for i in getattr(self, name)):
-                raise ValueError(f"{name} must be layer indices, got {getattr(self, name)}")
         rotated = self.rotary_dim if self.attn_type == "gqa" else self.qk_rope_head_dim
         if not 0 < self.partial_rotary_factor <= 1 or rotated % 2 or not rotated:
             raise ValueError(
@@ -247,6 +263,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         longrope = rs is not None and rs.rope_type == "longrope"
         if longrope and not len(rs.short_factor) == len(rs.long_factor) == half:
             raise ValueError(f"rope_scaling: longrope needs {half} short and {half} long factors")
+
+    def _check_attention(self) -> None:
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
@@ -258,23 +276,6 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 "qk_norm_per_head = false normalises plain queries: no gated attention"
             )
-
-    def _check_windows(self) -> None:
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(
-                f"sliding_window must be positive when given, got {self.sliding_window}"
-            )
-        if self.sliding_window is not None and self.model_type == "encoder":
-            raise ValueError("sliding_window is for causal decoders (model_type 'decoder')")
-        if self.layer_types is None:
-            return
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers = "
-                f"{self.num_hidden_layers}"
-            )
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            raise ValueError("layer_types names sliding_attention layers: set sliding_window")
 
     @property
     def kv_heads(self) -> int:

@@ -78,9 +78,9 @@ def _yarn(inv_freq, dim, base, rs, original) -> tuple[torch.Tensor, float]:
 
 
 def _longrope(inv_freq, rs, original, seq_len) -> tuple[torch.Tensor, float]:
-    """Phi-3: each frequency divided by a factor of its own, the long ones once the call reaches
-    past the original context (as transformers decides, by the largest position of the call);
-    cos and sin scaled by sqrt(1 + ln(factor) / ln(original)) unless given."""
+    """Phi-3: each frequency divided by a factor of its own, the long ones for a sequence
+    reaching past the original context (see _longrope_rows); cos and sin scaled by
+    sqrt(1 + ln(factor) / ln(original)) unless given."""
     factors = rs.long_factor if seq_len > original else rs.short_factor
     attention_factor = rs.attention_factor
     if attention_factor is None:
@@ -89,6 +89,17 @@ def _longrope(inv_freq, rs, original, seq_len) -> tuple[torch.Tensor, float]:
             math.sqrt(1 + math.log(rs.factor) / math.log(original)) if scaled else 1.0
         )
     return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float(), attention_factor
+
+
+def _longrope_rows(cfg: ModelConfig, positions: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+    """LongRoPE's frequencies per row of positions [..., T] -> [..., 1, rope_dim / 2]: the long
+    ones for a row that reaches past the original context. transformers decides once per call,
+    which is the same for one sequence; by row, a request's numbers do not depend on the
+    requests it is batched with."""
+    original = cfg.rope_scaling.original_max_position_embeddings or cfg.max_position_embeddings
+    long, _ = inv_frequencies(cfg, original + 1)
+    past = positions.amax(-1, keepdim=True)[..., None] >= original
+    return torch.where(past, long.to(short.device), short)
 
 
 def _llama3(inv_freq, rs, original) -> torch.Tensor:
@@ -108,13 +119,15 @@ def rope_tables(
     """cos, sin of shape [*positions.shape, rope_dim] in float32, for half-split pairs as Hugging
     Face rotates them. The first half of sin is negated, so that `apply_rope` needs no sign flip.
     local: the tables of the sliding layers (see inv_frequencies)."""
-    # only dynamic NTK and longrope depend on the length; reading it elsewhere would sync (and
-    # break torch.compile's graph) for nothing
-    rs = cfg.rope_scaling
-    by_length = rs is not None and rs.rope_type in ("dynamic", "longrope") and not local
-    seq_len = int(positions.max()) + 1 if by_length and positions.numel() else 1
+    # only dynamic NTK depends on the length; reading it elsewhere would sync (and break
+    # torch.compile's graph) for nothing
+    kind = None if local or cfg.rope_scaling is None else cfg.rope_scaling.rope_type
+    seq_len = int(positions.max()) + 1 if kind == "dynamic" and positions.numel() else 1
     inv_freq, factor = inv_frequencies(cfg, seq_len, local)
-    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    inv_freq = inv_freq.to(positions.device)
+    if kind == "longrope":
+        inv_freq = _longrope_rows(cfg, positions, inv_freq)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     cos, sin = angles.cos() * factor, angles.sin() * factor
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 

@@ -199,7 +199,9 @@ def test_forward_in_bfloat16_matches_transformers(hf):
     torch.testing.assert_close(ours, expected, **close)
 
 
-def test_longrope_takes_the_long_factors_once_a_call_reaches_past_the_original_context(tmp_path):
+def test_longrope_takes_the_long_factors_once_a_sequence_reaches_past_the_original_context(
+    tmp_path,
+):
     settings = {**SHAPE, **FAMILIES["phi3"][2], "original_max_position_embeddings": 8}
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**settings)).eval()
@@ -210,3 +212,10 @@ def test_longrope_takes_the_long_factors_once_a_call_reaches_past_the_original_c
         with torch.no_grad():
             expected = model(tokens).logits
         assert_close(forward(params, cfg, tokens), expected, forward_roundings(cfg, length))
+    # batched, each sequence rotates as it would alone: one within, one past the original context
+    tokens = tokens_of(2, 6, seed=8)
+    positions = torch.stack([torch.arange(6), torch.arange(6) + 10])
+    with torch.no_grad():
+        alone = [model(tokens[i : i + 1], position_ids=positions[i : i + 1]).logits for i in (0, 1)]
+    batched = forward(params, cfg, tokens, positions=positions)
+    assert_close(batched, torch.cat(alone), forward_roundings(cfg, 16))
