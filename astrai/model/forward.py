@@ -89,7 +89,8 @@ def decode_layers(
     local = rope if cfg.rope_local_base_freq is None else rope_tables(cfg, positions, local=True)
     aux = x.new_zeros((), dtype=torch.float32)
     for i in range(cfg.num_hidden_layers):
-        layer_mask, layer_rope = (sliding, local) if cfg.is_sliding_layer(i) else (mask, rope)
+        slides = sliding is not None and cfg.is_sliding_layer(i)
+        layer_mask, layer_rope = (sliding, local) if slides else (mask, rope)
         layer_rope = None if i in cfg.nope_layers else layer_rope
         args = (params, cfg, i, x, layer_rope, kv_store, layer_mask, causal, lora)
         if checkpoint:
@@ -105,10 +106,10 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     """One decoder layer: (x after it, its MoE aux loss or None for a dense layer)."""
     p = f"model.layers.{i}"
     attn_in, attn_out, mlp_in, mlp_out = BLOCK_NORMS[cfg.norm_placement]
-    h = _norm_at(params, cfg, p, attn_in, x)
+    h = x if attn_in is None else norm(params, cfg, f"{p}.{attn_in}.weight", x)
     h = attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
     x = x + _block_output(params, cfg, p, attn_out, h)
-    h = _norm_at(params, cfg, p, mlp_in, x)
+    h = x if mlp_in is None else norm(params, cfg, f"{p}.{mlp_in}.weight", x)
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:
@@ -116,15 +117,11 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     return x + _block_output(params, cfg, p, mlp_out, y), aux
 
 
-def _norm_at(params: Params, cfg: ModelConfig, prefix: str, name: str | None, x: torch.Tensor):
-    """x through the layer's RMSNorm `name`, or as it is where the placement puts none."""
-    return x if name is None else norm(params, cfg, f"{prefix}.{name}.weight", x)
-
-
 def _block_output(params: Params, cfg: ModelConfig, prefix: str, name: str | None, y):
-    """What a block adds to the residual stream: y through its output norm, if any, times the
-    residual multiplier (Granite)."""
-    y = _norm_at(params, cfg, prefix, name, y)
+    """What a block adds to the residual stream: y through its output norm `name` (None: the
+    placement puts none there), times the residual multiplier (Granite)."""
+    if name is not None:
+        y = norm(params, cfg, f"{prefix}.{name}.weight", y)
     return y if cfg.residual_multiplier == 1.0 else y * cfg.residual_multiplier
 
 
