@@ -86,6 +86,7 @@ GEMMA_DEFAULTS = {
 }  # fmt: skip
 UNTIED = {"tie_word_embeddings": False}
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+MOE_DEFAULTS = {"router_aux_loss_coef": 0.001}
 # Mixtral and Qwen3-MoE: routed experts only, no expert every token goes through
 ROUTED_ONLY = {
     "ffn_type": "moe",
@@ -119,14 +120,14 @@ FAMILIES: dict[str, Family] = {
         # have it, transformers' Qwen3-MoE does not read it (a window would cover every layer)
         older={"num_experts", "max_window_layers"},
         fixed={**ROUTED_ONLY, "use_qk_norm": True},
-        defaults={**UNTIED, "norm_topk_prob": False, "decoder_sparse_step": 1},
+        defaults={**UNTIED, **MOE_DEFAULTS, "norm_topk_prob": False, "decoder_sparse_step": 1},
     ),
     "mixtral": family(
         "MixtralForCausalLM",
         {"hidden_act", "sliding_window", "num_local_experts", "num_experts_per_tok",
          "router_aux_loss_coef"},
         fixed={**ROUTED_ONLY, "norm_topk_prob": True},
-        defaults={**UNTIED, "rope_theta": 1e6},
+        defaults={**UNTIED, **MOE_DEFAULTS, "rope_theta": 1e6},
     ),
     "gemma2": family(
         "Gemma2ForCausalLM", GEMMA, older={"hidden_act"},
@@ -272,7 +273,7 @@ def _experts(hf: dict[str, Any]) -> dict[str, Any]:
         "moe_intermediate_size": hf.get("moe_intermediate_size", hf["intermediate_size"]),
         "norm_topk_prob": hf.get("norm_topk_prob", True),
         "mlp_only_layers": sorted(dense),
-        **{k: hf[k] for k in ("router_aux_loss_coef",) if k in hf},
+        "router_aux_loss_coef": hf["router_aux_loss_coef"],
     }
 
 

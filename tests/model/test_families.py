@@ -122,21 +122,23 @@ def test_the_family_is_read_as_itself(hf):
     assert cfg.family == family
 
 
-def test_forward_matches_transformers(hf):
+def ours_and_theirs(hf, seed: int):
+    """(params, cfg) read from the family's folder, two sequences of LENGTH tokens, and
+    transformers' logits for them."""
     _, model, folder = hf
-    params, cfg = load_pretrained(folder)
-    tokens = tokens_of(2, LENGTH, seed=1)
+    tokens = tokens_of(2, LENGTH, seed)
     with torch.no_grad():
         expected = model(tokens).logits
+    return *load_pretrained(folder), tokens, expected
+
+
+def test_forward_matches_transformers(hf):
+    params, cfg, tokens, expected = ours_and_theirs(hf, seed=1)
     assert_close(forward(params, cfg, tokens), expected, forward_roundings(cfg, LENGTH))
 
 
 def test_paged_prefill_and_decode_match_transformers(hf):
-    _, model, folder = hf
-    params, cfg = load_pretrained(folder)
-    tokens = tokens_of(2, LENGTH, seed=2)
-    with torch.no_grad():
-        expected = model(tokens).logits
+    params, cfg, tokens, expected = ours_and_theirs(hf, seed=2)
     page_size = 4  # pages and windows end at different places
     pool = init_pages(cfg, 12, page_size)
     pool, pages = alloc_pages(pool, 10)
