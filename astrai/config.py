@@ -13,7 +13,7 @@ import json
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -22,12 +22,13 @@ class ConfigError(ValueError):
     """A configuration file or value is wrong; the message names the key and the file."""
 
 
-class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """RoPE context extension, as Hugging Face writes it in config.json."""
 
-    rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3"] = "default"
+    rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"] = "default"
     """`linear` divides positions by `factor`; `dynamic` grows the base with the sequence (NTK);
-    `yarn` blends scaled and unscaled frequencies; `llama3` scales only low frequencies."""
+    `yarn` blends scaled and unscaled frequencies; `llama3` scales only low frequencies;
+    `longrope` divides each frequency by a factor of its own (Phi-3)."""
     factor: float = 1.0
     """How many times longer than the original context."""
     original_max_position_embeddings: int | None = None
@@ -42,12 +43,29 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     mscale_all_dim: float | None = None
     """yarn: its divisor (DeepSeek). Not set: the plain YaRN factor."""
     attention_factor: float | None = None
-    """yarn: the attention scale itself, overriding both."""
+    """yarn: the attention scale itself, overriding both; longrope: the factor of cos and sin
+    (not set: sqrt(1 + ln(factor) / ln(original)))."""
     # llama3
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original / this are fully scaled."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original / this are kept."""
+    # longrope
+    short_factor: tuple[float, ...] | None = None
+    """longrope: a divisor per frequency, while every position is within the original context."""
+    long_factor: tuple[float, ...] | None = None
+    """longrope: the divisors once a position of the call is past it."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope needs short_factor and long_factor")
+
+
+# The Hugging Face model types read and written (astrai/model/hf_config.py, docs/models.md).
+HFFamily = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3",
+    "smollm3", "olmo2", "granite",
+]  # fmt: skip
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -80,10 +98,56 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The output head reuses the embedding matrix (no `lm_head.weight`)."""
     attention_bias: bool = False
     """Biases on the q, k and v projections (Qwen2)."""
+    attention_out_bias: bool = False
+    """A bias on the attention's output projection as well (Llama's `attention_bias` sets both)."""
+    mlp_bias: bool = False
+    """Biases on the MLP's gate, up and down projections."""
+    hidden_act: Literal["silu", "gelu_pytorch_tanh"] = "silu"
+    """The gated MLP's activation, and its experts': `silu` (SwiGLU) or `gelu_pytorch_tanh`
+    (GeGLU with the tanh approximation of GELU, as Gemma)."""
     use_qk_norm: bool = False
-    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    """RMSNorm over the queries and keys before RoPE (Qwen3, Gemma 3, OLMo 2)."""
+    qk_norm_per_head: bool = True
+    """use_qk_norm: normalise each head on its own (weights of head_dim: Qwen3, Gemma 3) or, off,
+    all the heads of q and of k at once (weights of heads x head_dim: OLMo 2)."""
     use_gated_attention: bool = False
     """`q_proj` is twice as wide; its second half gates the attention output through a sigmoid."""
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
+    """Where each block's RMSNorms sit. `pre` (Llama): on the input of attention and of the MLP;
+    `sandwich` (Gemma 2 / 3): on their input, and on their output before the residual add;
+    `post` (OLMo 2): on their output only."""
+    rms_norm_unit_offset: bool = False
+    """Every RMSNorm scales by 1 + weight, in float32 (Gemma): the stored weights are offsets
+    from one."""
+    embedding_multiplier: float = 1.0
+    """The embeddings are multiplied by this, rounded to their dtype, before the first layer
+    (Granite's multiplier; sqrt(hidden_size) for Gemma)."""
+    residual_multiplier: float = 1.0
+    """Each block's output is multiplied by this before the residual add (Granite)."""
+    attention_multiplier: float | None = None
+    """The attention scores are scaled by this (Granite). Not set: by query_pre_attn_scalar."""
+    query_pre_attn_scalar: int | None = None
+    """The attention scores are scaled by 1 / sqrt(this) (Gemma). Not set: the head width."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores s become cap * tanh(s / cap) (Gemma 2). Not set: no cap."""
+    final_logit_softcapping: float | None = None
+    """The output logits are capped the same way (Gemma 2). Not set: no cap."""
+    logits_scaling: float = 1.0
+    """The output logits are divided by this (Granite)."""
+    sliding_window: int | None = None
+    """Sliding layers attend to the last `sliding_window` positions, their own included. Not
+    set: every layer attends to the whole sequence."""
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    """Per layer, `full_attention` or `sliding_attention` (Gemma's alternation, Qwen2's
+    `max_window_layers`). Not set: every layer slides when `sliding_window` is set."""
+    rope_local_base_freq: float | None = None
+    """RoPE base of the sliding layers, which rotate without `rope_scaling` (Gemma 3). Not set:
+    every layer rotates alike."""
+    partial_rotary_factor: float = 1.0
+    """Share of each head's width that RoPE rotates, from its start; the rest passes as it is
+    (Phi-4-mini: 0.75)."""
+    nope_layers: tuple[int, ...] = ()
+    """Layers that apply no RoPE at all (SmolLM3: every fourth)."""
     initializer_range: float = 0.02
     """Standard deviation of fresh weights (output projections are scaled down by depth)."""
     # multi-latent attention (DeepSeek-V2 style)
@@ -119,6 +183,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """moe: layer i is MoE when `i % decoder_sparse_step == 0`."""
     first_k_dense_replace: int = 0
     """moe: the first k layers stay dense."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """moe: these layers stay dense too (Qwen3-MoE)."""
     router_aux_loss_coef: float = 0.01
     """moe: weight of the load-balancing loss in training (`loss.aux_loss_coef` overrides it)."""
     # "decoder" is causal; "encoder" attends both ways and is used through `encode`
@@ -131,6 +197,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Kept in config.json for other tools; generation stops on the tokenizer's stop ids."""
     pad_token_id: int | None = None
     """Kept in config.json for other tools."""
+    family: HFFamily | None = None
+    """The Hugging Face `model_type` the model was read from: `save_pretrained` writes that
+    family's config.json and tensor names again, so transformers reads the folder (see
+    docs/models.md). Not set: AstrAI's own config.json."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -155,6 +225,57 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                 f"1..n_routed_experts ({self.n_routed_experts})"
             )
+        self._check_layers()
+        self._check_rope()
+        self._check_attention()
+
+    def _check_layers(self) -> None:
+        L = self.num_hidden_layers
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"sliding_window must be positive when given, got {self.sliding_window}"
+            )
+        if self.sliding_window is not None and self.model_type == "encoder":
+            raise ValueError("sliding_window is for causal decoders (model_type 'decoder')")
+        if self.layer_types is not None and len(self.layer_types) != L:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers = {L}"
+            )
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise ValueError("layer_types names sliding_attention layers: set sliding_window")
+        for name in ("nope_layers", "mlp_only_layers"):
+            if any(not 0 <= i < L for i in getattr(self, name)):
+                raise ValueError(f"{name} must be layer indices, got {getattr(self, name)}")
+
+    def _check_rope(self) -> None:
+        if self.attn_type == "mla" and (self.partial_rotary_factor != 1 or self.nope_layers):
+            raise ValueError(
+                "partial_rotary_factor and nope_layers are for grouped-query attention (attn_type "
+                "gqa)"
+            )
+        rotated = self.rotary_dim if self.attn_type == "gqa" else self.qk_rope_head_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotated % 2 or not rotated:
+            raise ValueError(
+                f"partial_rotary_factor must leave an even, non-zero rotated width of each head, "
+                f"got {self.partial_rotary_factor} of head_dim {self.dim_per_head}"
+            )
+        rs, half = self.rope_scaling, rotated // 2
+        longrope = rs is not None and rs.rope_type == "longrope"
+        if longrope and not len(rs.short_factor) == len(rs.long_factor) == half:
+            raise ValueError(f"rope_scaling: longrope needs {half} short and {half} long factors")
+
+    def _check_attention(self) -> None:
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
+        if self.attention_multiplier is not None and self.query_pre_attn_scalar is not None:
+            raise ValueError("give attention_multiplier or query_pre_attn_scalar, not both")
+        if self.logits_scaling == 0:
+            raise ValueError("logits_scaling must not be 0")
+        if not self.qk_norm_per_head and self.use_gated_attention:
+            raise ValueError(
+                "qk_norm_per_head = false normalises plain queries: no gated attention"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -164,11 +285,55 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """Width of each head that RoPE rotates (grouped-query attention)."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor of the attention scores; None: the usual 1 / sqrt(head width)."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+
+    def beyond_llama(self) -> list[str]:
+        """The settings in use that a Llama / Qwen3 layer lacks, as `key=value` (for exporters
+        that speak only that layout)."""
+        plain = ModelConfig(vocab_size=self.vocab_size)
+        fields = (
+            "hidden_act", "attention_out_bias", "mlp_bias", "norm_placement", "qk_norm_per_head",
+            "rms_norm_unit_offset", "embedding_multiplier", "residual_multiplier",
+            "attention_multiplier", "query_pre_attn_scalar", "attn_logit_softcapping",
+            "final_logit_softcapping", "logits_scaling", "rope_local_base_freq",
+            "partial_rotary_factor", "nope_layers",
+        )  # fmt: skip
+        extras = [
+            f"{k}={getattr(self, k)!r}" for k in fields if getattr(self, k) != getattr(plain, k)
+        ]
+        if self.has_sliding_layers:
+            extras.append(f"sliding-window attention (sliding_window={self.sliding_window})")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope":
+            extras.append("rope_scaling.rope_type='longrope'")
+        return extras
+
+    def is_sliding_layer(self, i: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[i] == "sliding_attention"
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        if self.sliding_window is None:
+            return False
+        return any(self.is_sliding_layer(i) for i in range(self.num_hidden_layers))
+
     def is_moe_layer(self, i: int) -> bool:
         return (
             self.ffn_type == "moe"
             and i >= self.first_k_dense_replace
             and i % self.decoder_sparse_step == 0
+            and i not in self.mlp_only_layers
         )
 
 
@@ -214,21 +379,8 @@ def load_toml(path: str | Path, struct: type, table: str | None = None) -> Any:
     return from_dict(struct, data, source)
 
 
-# Keys Hugging Face writes into config.json that describe the runtime, not the model's shape.
-_HF_IGNORED_KEYS = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "hidden_act", "attention_dropout", "use_cache", "pretraining_tp", "mlp_bias",
-    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "initializer_range",
-    "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "tie_word_embeddings",
-    "output_attentions", "output_hidden_states", "return_dict", "rope_parameters", "head_dim",
-    "is_decoder", "num_key_value_heads", "rope_scaling", "rope_theta",
-}  # fmt: skip
-
-_HF_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3"}
-
-
 def model_config_from_json(path: str | Path) -> ModelConfig:
-    """Read config.json: AstrAI's own, or a Hugging Face Llama/Qwen2/Mistral one."""
+    """Read config.json: AstrAI's own, or one of a Hugging Face family (docs/models.md)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -236,34 +388,15 @@ def model_config_from_json(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: no such file") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    if data.get("model_type") in _HF_MODEL_TYPES:
-        data = _from_hf(data)
+    kind = data.get("model_type", "decoder")
+    if kind in get_args(HFFamily):
+        from astrai.model.hf_config import config_from_hf  # the families live with the model
+
+        return config_from_hf(data, str(path))
+    if kind not in ("decoder", "encoder"):
+        families = ", ".join(get_args(HFFamily))
+        raise ConfigError(f"{path}: model_type: {kind} is not supported (ours, or {families})")
     return from_dict(ModelConfig, data, str(path))
-
-
-def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in data.items() if k in ModelConfig.__struct_fields__}
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):
-        if data.get(k) is not None:
-            out[k] = data[k]
-    out["model_type"] = "decoder"
-    out["num_key_value_heads"] = data.get("num_key_value_heads")
-    out["head_dim"] = data.get("head_dim")
-    out["tie_word_embeddings"] = data.get("tie_word_embeddings", False)
-    if data["model_type"] == "qwen2":
-        out["attention_bias"] = True
-    if data["model_type"] == "qwen3":
-        out["use_qk_norm"] = True
-    # transformers >= 5 nests theta and scaling under rope_parameters
-    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0
-    out["rope_theta"] = float(theta)
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    out["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
-    unknown = set(data) - set(ModelConfig.__struct_fields__) - _HF_IGNORED_KEYS
-    for k in unknown:
-        out.pop(k, None)
-    return out
 
 
 def write_model_config(path: str | Path, cfg: ModelConfig) -> None:

@@ -29,7 +29,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # End-of-turn tokens of the common chat formats (ChatML, Llama 3, Gemma, Phi-3): generation stops
 # on any of them that the vocabulary holds, whatever the checkpoint declares as eos.
-CHAT_END_TOKENS = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>"]
+CHAT_END_TOKENS = [
+    "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>",
+]  # fmt: skip
 
 # ChatML, with tools in the Hermes / Qwen style: signatures as JSON in the system turn, calls as
 # JSON inside <tool_call> tags, results in a "tool" turn. Rendering a longer conversation only
@@ -290,14 +292,19 @@ class Tokenizer:
             template = {t["name"]: t["template"] for t in template}
         if (path / "chat_template.jinja").is_file():  # newer Hugging Face form
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        eos_ids = _read_json(path / "generation_config.json").get("eos_token_id")
+        # a model folder may list its stop ids in config.json only (Gemma 3's [1, 106])
+        eos_ids = [
+            i
+            for name in ("generation_config.json", "config.json")
+            for i in _as_list(_read_json(path / name).get("eos_token_id"))
+        ]
         return cls(
             backend,
             bos_token=_token_name(config.get("bos_token")),
             eos_token=_token_name(config.get("eos_token")),
             pad_token=_token_name(config.get("pad_token")),
             chat_template=template,
-            extra_stop_ids=[eos_ids] if isinstance(eos_ids, int) else eos_ids or (),
+            extra_stop_ids=list(dict.fromkeys(eos_ids)),
         )
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -349,7 +356,7 @@ class Tokenizer:
     @property
     def stop_ids(self) -> frozenset[int]:
         """Ids that end generation: eos, the chat end-of-turn tokens in the vocabulary, and the
-        eos ids of generation_config.json."""
+        eos ids of generation_config.json and config.json."""
         ids = {self._id(t) for t in [self.eos_token, *CHAT_END_TOKENS]} - {None}
         return frozenset(ids.union(self._extra_stop_ids))
 
@@ -569,6 +576,10 @@ def _common_prefix_len(a: str, b: str) -> int:
     if b.startswith(a):  # the usual case: a template that only appends
         return len(a)
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [ids] if isinstance(ids, int) else list(ids or ())
 
 
 def _read_json(path: Path) -> dict:

@@ -104,7 +104,10 @@ def type_text(tp) -> str:
     if item_struct(tp):
         return "list of tables"
     if typing.get_origin(tp) in (list, tuple):
-        return "list of " + {str: "strings", int: "ints", float: "floats"}[typing.get_args(tp)[0]]
+        item = typing.get_args(tp)[0]
+        if typing.get_origin(item) is typing.Literal:
+            return "list of " + type_text(item)
+        return "list of " + {str: "strings", int: "ints", float: "floats"}[item]
     if struct_of(tp):
         return "table"
     return {int: "int", float: "float", bool: "bool", str: "string"}[tp]

@@ -75,6 +75,7 @@ def gguf_arch(cfg: ModelConfig) -> str:
             (cfg.attn_type == "mla", "multi-latent attention (attn_type='mla')"),
             (cfg.ffn_type == "moe", "our mixture-of-experts layout (ffn_type='moe')"),
             (cfg.use_gated_attention, "gated attention (use_gated_attention=true)"),
+            *((True, feature) for feature in cfg.beyond_llama()),
             (
                 rope_type == "dynamic",
                 "rope_scaling.rope_type='dynamic' (llama.cpp has no dynamic NTK scaling)",

@@ -16,6 +16,7 @@ from astrai.config import ModelConfig
 from astrai.infer.pages import Pool, page_size_of
 from astrai.infer.prepare import prepare_params  # noqa: F401  (its home before prepare.py)
 from astrai.model import decode_layers, embed, lm_head
+from astrai.model.forward import window_mask
 from astrai.model.layers import cast
 
 Params = dict[str, torch.Tensor]
@@ -42,8 +43,12 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     x = embed(params, cfg, tokens)
     key_pos = torch.arange(used * ps, device=device)
     visible = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
-    # additive, made once: SDPA spends three ops a layer turning a bool mask into this
-    mask = x.new_zeros(visible.shape).masked_fill_(visible.logical_not(), float("-inf"))
+    mask = _additive(visible, x.dtype)
+    sliding = None
+    if cfg.has_sliding_layers:  # the pages hold every position; the mask hides the old ones
+        sliding = _additive(
+            window_mask(visible, positions[:, None], key_pos, cfg.sliding_window), x.dtype
+        )
 
     def store(layer, k_new, v_new):
         k_layer, v_layer = pool["k"][layer], pool["v"][layer]
@@ -60,8 +65,16 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
         v_all = v_layer.index_select(0, flat_table).view(B, used * ps, *v_layer.shape[2:])
         return cast(k_all, k_new.dtype), cast(v_all, v_new.dtype)
 
-    hidden, _ = decode_layers(params, cfg, x, positions, mask, store, lora)
+    hidden, _ = decode_layers(params, cfg, x, positions, mask, store, lora, sliding=sliding)
     return hidden
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as 0 / -inf, made once a step: SDPA spends three ops a layer turning a bool
+    mask into this."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        visible.logical_not(), float("-inf")
+    )
 
 
 def prefill(

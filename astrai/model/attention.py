@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
-from astrai.model.layers import Params, attend, fused_linear, linear, rms_norm
+from astrai.model.layers import Params, attend, fused_linear, linear, norm
 from astrai.model.rope import apply_rope
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -36,10 +36,12 @@ def identity_store(
 # --- grouped-query attention -------------------------------------------------------------
 
 
-def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
+def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, rope, lora):
+    """rope: the (cos, sin) tables, or None in a layer without RoPE."""
     B, T, _ = x.shape
     H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # one table for every head
+    if rope is not None:
+        cos, sin = rope[0].unsqueeze(2), rope[1].unsqueeze(2)  # one table for every head
     plain = not (cfg.use_gated_attention or cfg.use_qk_norm or lora)
     if plain and f"{prefix}.qkv_proj.weight" in params:
         # Fused inference weights give queries and keys side by side: rotating them as one
@@ -47,24 +49,31 @@ def gqa_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
         qk, v = linear(params, f"{prefix}.qkv_proj", x).split_with_sizes(
             [(H + Hkv) * D, Hkv * D], dim=-1
         )
-        q, k = apply_rope(qk.view(B, T, H + Hkv, D), cos, sin).split_with_sizes([H, Hkv], dim=2)
+        qk = qk.view(B, T, H + Hkv, D)
+        q, k = (qk if rope is None else apply_rope(qk, cos, sin)).split_with_sizes([H, Hkv], 2)
         return q, k, v.view(B, T, Hkv, D), None
     q, k, v = fused_linear(params, prefix, "qkv_proj", x, lora, (None, Hkv * D, Hkv * D))
+    if cfg.use_qk_norm and not cfg.qk_norm_per_head:  # OLMo 2: all heads at once
+        q = norm(params, cfg, f"{prefix}.q_norm.weight", q)
+        k = norm(params, cfg, f"{prefix}.k_norm.weight", k)
     q = q.reshape(B, T, H, -1)
     gate = None
     if cfg.use_gated_attention:
         q, gate = q.split(D, dim=-1)
     k = k.reshape(B, T, Hkv, D)
     v = v.reshape(B, T, Hkv, D)
-    if cfg.use_qk_norm:
-        q = rms_norm(q, params[f"{prefix}.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, params[f"{prefix}.k_norm.weight"], cfg.rms_norm_eps)
+    if cfg.use_qk_norm and cfg.qk_norm_per_head:
+        q = norm(params, cfg, f"{prefix}.q_norm.weight", q)
+        k = norm(params, cfg, f"{prefix}.k_norm.weight", k)
+    if rope is None:
+        return q, k, v, gate
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
 def gqa_out(params: Params, cfg: ModelConfig, prefix: str, q, k, v, mask, causal, gate, lora):
     B, T = q.shape[:2]
-    o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    o = attend(q, k, v, mask, causal, cfg.attention_scale, cfg.attn_logit_softcapping)
     o = o.transpose(1, 2)
     if gate is not None:
         o = o * torch.sigmoid(gate)
@@ -83,11 +92,12 @@ def mla_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
+def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, rope, lora):
     B, T, _ = x.shape
+    cos, sin = rope
     if cfg.q_lora_rank:
         q = linear(params, f"{prefix}.q_a_proj", x, lora)
-        q = rms_norm(q, params[f"{prefix}.q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q = norm(params, cfg, f"{prefix}.q_a_layernorm.weight", q)
         q = linear(params, f"{prefix}.q_b_proj", q, lora)
     else:
         q = linear(params, f"{prefix}.q_proj", x, lora)
@@ -97,7 +107,7 @@ def mla_qkv(params: Params, cfg: ModelConfig, prefix: str, x, cos, sin, lora):
     latent, k_rope = linear(params, f"{prefix}.kv_a_proj_with_mqa", x, lora).split(
         [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
     )
-    latent = rms_norm(latent, params[f"{prefix}.kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    latent = norm(params, cfg, f"{prefix}.kv_a_layernorm.weight", latent)
     # What MLA stores per token: the normalised latent and one rotated key shared by all heads.
     return q, latent, apply_rope(k_rope, cos, sin), None
 
@@ -124,7 +134,7 @@ def attention_layer(
     cfg: ModelConfig,
     layer: int,
     x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
     kv_store: KVStore,
     mask: torch.Tensor | None,
     causal: bool,
@@ -132,6 +142,6 @@ def attention_layer(
 ) -> torch.Tensor:
     qkv, out = ATTENTION[cfg.attn_type]
     prefix = f"model.layers.{layer}.self_attn"
-    q, k_new, v_new, gate = qkv(params, cfg, prefix, x, *rope, lora)
+    q, k_new, v_new, gate = qkv(params, cfg, prefix, x, rope, lora)
     k, v = kv_store(layer, k_new, v_new)
     return out(params, cfg, prefix, q, k, v, mask, causal, gate, lora)

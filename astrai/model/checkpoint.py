@@ -1,4 +1,6 @@
-"""Checkpoints: config.json + model.safetensors, ours or a Hugging Face Llama/Qwen2/Mistral folder.
+"""Checkpoints: config.json + model.safetensors, ours or a Hugging Face folder of one of the
+families of docs/models.md. A model read from such a folder is written back in its family's
+form, which transformers reads.
 
 Only safetensors are read: pickled weights (pytorch_model.bin) can run code on load.
 """
@@ -14,6 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, model_config_from_json, write_model_config
+from astrai.model.hf_config import config_to_hf
+from astrai.model.hf_keys import params_from_hf, params_to_hf
 from astrai.model.params import DTYPES, param_shapes
 
 
@@ -35,15 +39,22 @@ def _atomic_write(path: Path, write) -> None:
 def save_pretrained(
     path, params: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer=None
 ) -> None:
-    """Write config.json and model.safetensors (and the tokenizer files when given).
+    """Write config.json and model.safetensors (and the tokenizer files when given): ours, or
+    for a model read from a Hugging Face folder (cfg.family), that family's.
 
     Each file is written to a temporary name and renamed, so a crash leaves no torn file.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in params.items()}
+    hf = None if cfg.family is None else config_to_hf(cfg)  # refused before anything is written
+    tensors = params if hf is None else params_to_hf(params, cfg)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
-    _atomic_write(path / "config.json", lambda tmp: write_model_config(tmp, cfg))
+    if hf is None:
+        _atomic_write(path / "config.json", lambda tmp: write_model_config(tmp, cfg))
+    else:
+        text = json.dumps(hf, indent=2) + "\n"
+        _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(text))
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 
@@ -72,6 +83,8 @@ def load_pretrained(
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cfg = model_config_from_json(path / "config.json")
     tensors = _read_tensors(path)
+    if json.loads((path / "config.json").read_text()).get("model_type") == cfg.family:
+        tensors = params_from_hf(tensors, cfg)  # a Hugging Face folder, not ours
     # Old transformers checkpoints carry RoPE tables; tied models may repeat the embedding.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
-from astrai.model.layers import Params, project, rms_norm, swiglu
+from astrai.model.layers import Params, gated_mlp, norm, project
 from astrai.model.moe import moe
+from astrai.model.params import BLOCK_NORMS
 from astrai.model.rope import rope_tables
 
 
@@ -20,12 +23,21 @@ def embed(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     x = F.embedding(tokens, params["model.embed_tokens.weight"])
+    if cfg.embedding_multiplier != 1.0:
+        x = x * _rounded(cfg.embedding_multiplier, x.dtype)
     if neftune_alpha:
         # NEFTune: uniform noise of norm ~alpha / sqrt(T * hidden) regularises fine-tuning.
         T, h = tokens.shape[-1], x.shape[-1]
         noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
         x = x + (2 * noise - 1) * (neftune_alpha / (T * h) ** 0.5)
     return x
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """value as dtype holds it: Gemma multiplies its embeddings by sqrt(hidden_size) rounded to
+    their dtype (in bfloat16, sqrt(640) = 25.298 becomes 25.25)."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def document_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -37,6 +49,16 @@ def document_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:
     return mask[:, None]
 
 
+def window_mask(
+    mask: torch.Tensor | None, query_pos: torch.Tensor, key_pos: torch.Tensor, window: int
+) -> torch.Tensor:
+    """mask (bool [..., T, S], or None for plain causal attention over T == S) narrowed to the
+    keys fewer than `window` positions behind their query. query_pos [..., T], key_pos [S]."""
+    behind = query_pos[..., :, None] - key_pos
+    near = behind < window
+    return near & (behind >= 0) if mask is None else mask & near
+
+
 def decode_layers(
     params: Params,
     cfg: ModelConfig,
@@ -46,43 +68,72 @@ def decode_layers(
     kv_store: KVStore = identity_store,
     lora: dict | None = None,
     checkpoint: bool = False,
+    sliding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every layer over embeddings x [B, T, hidden] -> (final normed hidden, MoE aux loss).
 
     mask: bool [B, 1, T, S] (True = may attend) or None for plain causal (decoder) or full
     (encoder) attention over the T new tokens. kv_store decides what the layers attend over.
+    sliding: the mask of the sliding-window layers (see window_mask). Not given, the T tokens
+    attend among themselves and the window counts their indices.
     """
     causal = cfg.model_type == "decoder"
+    if cfg.has_sliding_layers and sliding is None:
+        T = x.shape[1]
+        if mask is not None and mask.shape[-1] != T:
+            raise ValueError("attending over stored keys, sliding-window layers need sliding=")
+        steps = torch.arange(T, device=x.device)
+        sliding = window_mask(mask, steps, steps, cfg.sliding_window)
+        sliding = sliding if mask is not None else sliding[None, None]
     rope = rope_tables(cfg, positions)
+    local = rope if cfg.rope_local_base_freq is None else rope_tables(cfg, positions, local=True)
     aux = x.new_zeros((), dtype=torch.float32)
     for i in range(cfg.num_hidden_layers):
+        slides = sliding is not None and cfg.is_sliding_layer(i)
+        layer_mask, layer_rope = (sliding, local) if slides else (mask, rope)
+        layer_rope = None if i in cfg.nope_layers else layer_rope
+        args = (params, cfg, i, x, layer_rope, kv_store, layer_mask, causal, lora)
         if checkpoint:
-            x, layer_aux = torch.utils.checkpoint.checkpoint(
-                _layer, params, cfg, i, x, rope, kv_store, mask, causal, lora, use_reentrant=False
-            )
+            x, layer_aux = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
         else:
-            x, layer_aux = _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora)
+            x, layer_aux = _layer(*args)
         if layer_aux is not None:  # dense layers add nothing: two ops a layer saved
             aux = aux + layer_aux
-    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), aux
+    return norm(params, cfg, "model.norm.weight", x), aux
 
 
 def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     """One decoder layer: (x after it, its MoE aux loss or None for a dense layer)."""
     p = f"model.layers.{i}"
-    h = rms_norm(x, params[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
-    x = x + attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
-    h = rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    attn_in, attn_out, mlp_in, mlp_out = BLOCK_NORMS[cfg.norm_placement]
+    h = x if attn_in is None else norm(params, cfg, f"{p}.{attn_in}.weight", x)
+    h = attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
+    x = x + _block_output(params, cfg, p, attn_out, h)
+    h = x if mlp_in is None else norm(params, cfg, f"{p}.{mlp_in}.weight", x)
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:
-        y, aux = swiglu(params, f"{p}.mlp", h, lora), None
-    return x + y, aux
+        y, aux = gated_mlp(params, f"{p}.mlp", h, lora, cfg.hidden_act), None
+    return x + _block_output(params, cfg, p, mlp_out, y), aux
+
+
+def _block_output(params: Params, cfg: ModelConfig, prefix: str, name: str | None, y):
+    """What a block adds to the residual stream: y through its output norm `name` (None: the
+    placement puts none there), times the residual multiplier (Granite)."""
+    if name is not None:
+        y = norm(params, cfg, f"{prefix}.{name}.weight", y)
+    return y if cfg.residual_multiplier == 1.0 else y * cfg.residual_multiplier
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: torch.Tensor) -> torch.Tensor:
     weight = params.get("lm_head.weight", params["model.embed_tokens.weight"])
-    return project(hidden, weight)
+    logits = project(hidden, weight)
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def default_positions(tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -160,9 +211,14 @@ def forward_cached(
     key_pos = torch.arange(end, device=tokens.device)
     query_pos = torch.arange(start, end, device=tokens.device)
     mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
+    sliding = None
+    if cfg.has_sliding_layers:
+        sliding = window_mask(mask, query_pos, key_pos, cfg.sliding_window)
     x = embed(params, cfg, tokens)
     positions = default_positions(tokens, start)
-    hidden, _ = decode_layers(params, cfg, x, positions, mask, kv_store=store, lora=lora)
+    hidden, _ = decode_layers(
+        params, cfg, x, positions, mask, kv_store=store, lora=lora, sliding=sliding
+    )
     return lm_head(params, cfg, hidden), cache
 
 

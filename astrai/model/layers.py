@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from astrai.model.masked_attention import attend_masked
+from astrai.model.masked_attention import attend_by_products, attend_masked
 
 Params = dict[str, torch.Tensor]
 
@@ -16,12 +18,21 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    if unit_offset:  # Gemma: scale by 1 + weight in float32, rounding once at the end
+        return cast(F.rms_norm(x.float(), weight.shape, weight.float() + 1.0, eps), x.dtype)
     if x.dtype == weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one call: its six ops run in C++
     # Normalise in float32 so bfloat16 activations keep their precision, and round before the
     # weight multiplies, as Llama does.
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def norm(params: Params, cfg, key: str, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm (cfg: a ModelConfig) with the weight `key`."""
+    return rms_norm(x, params[key], cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
 
 
 def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,9 +79,16 @@ def fused_linear(
     return y.split_with_sizes([y.shape[-1] - sum(widths[1:]), *widths[1:]], dim=-1)
 
 
-def swiglu(params: Params, prefix: str, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
+# The activations of gated MLPs, by the names of ModelConfig.hidden_act.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def gated_mlp(
+    params: Params, prefix: str, x: torch.Tensor, lora: dict | None = None, act: str = "silu"
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
     gate, up = fused_linear(params, prefix, "gate_up_proj", x, lora)
-    return linear(params, f"{prefix}.down_proj", F.silu(gate) * up, lora)
+    return linear(params, f"{prefix}.down_proj", ACTIVATIONS[act](gate) * up, lora)
 
 
 def attend(
@@ -80,10 +98,17 @@ def attend(
     mask: torch.Tensor | None,
     causal: bool,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask bool [B, 1, T, S]
     (True = may attend; or additive, 0 and -inf in q's dtype) or None for plain causal / full
-    attention over T == S."""
+    attention over T == S. softcap: scores s become softcap * tanh(s / softcap)."""
+    if softcap is not None:  # the fused kernels cannot cap the scores: they are made here
+        if mask is None:
+            T, S = q.shape[2], k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
+            mask = (mask.tril(S - T) if causal else mask)[None, None]
+        return attend_by_products(q, k, v, mask, scale, softcap)
     if mask is not None:  # cached and paged inference, packed documents in training
         return attend_masked(q, k, v, mask, scale)
     groups = q.shape[1] // k.shape[1]

@@ -31,18 +31,26 @@ MAX_SCORES = 1 << 25  # scores held at once (64 MiB in bf16); more go to the fus
 
 
 def attend_by_products(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v. q [B, H, T, D]; k [B, Hkv, S, D]; v [B, Hkv, S, Dv];
     mask bool [B, 1, T, S], True = may attend, at least one key per query (or the same as an
     additive mask of 0 and -inf in q's dtype). The query heads that share a K/V head are
-    multiplied as one matrix, so K and V are read once."""
+    multiplied as one matrix, so K and V are read once. softcap: the scores s become
+    softcap * tanh(s / softcap) before the mask (Gemma 2)."""
     B, H, T, D = q.shape
     heads, S = k.shape[1], k.shape[2]
     groups = H // heads
     scale = D**-0.5 if scale is None else scale
     rows = (q * scale).reshape(B, heads, groups * T, D)
     scores = torch.matmul(rows, k.transpose(-1, -2))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
         mask = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(~mask, -math.inf)
     scores.view(B, heads, groups, T, S).add_(mask[:, :, None])

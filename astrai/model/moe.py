@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.config import ModelConfig
-from astrai.model.layers import Params, swiglu
+from astrai.model.layers import ACTIVATIONS, Params, gated_mlp
 
 
 def route(router_logits: torch.Tensor, cfg: ModelConfig):
@@ -35,13 +35,14 @@ def moe(params: Params, cfg: ModelConfig, prefix: str, x: torch.Tensor, lora=Non
     gate_w = params[f"{prefix}.experts.gate_proj"]
     up_w = params[f"{prefix}.experts.up_proj"]
     down_w = params[f"{prefix}.experts.down_proj"]
+    act = ACTIVATIONS[cfg.hidden_act]
     outputs = []
     for e, chunk in enumerate(x[token_of].split(counts)):
         if counts[e]:
-            h = F.silu(chunk @ gate_w[e].T) * (chunk @ up_w[e].T)
+            h = act(chunk @ gate_w[e].T) * (chunk @ up_w[e].T)
             outputs.append(h @ down_w[e].T)
     routed = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)
     y = torch.zeros_like(x).index_add(0, token_of, routed)
     if cfg.n_shared_experts:
-        y = y + swiglu(params, f"{prefix}.shared_experts", x, lora)
+        y = y + gated_mlp(params, f"{prefix}.shared_experts", x, lora, cfg.hidden_act)
     return y.view(shape), aux

@@ -45,22 +45,28 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         shapes |= {f"{p}.q_proj.bias": (q_out,), f"{p}.k_proj.bias": (Hkv * D,)}
         shapes[f"{p}.v_proj.bias"] = (Hkv * D,)
     if cfg.use_qk_norm:
-        shapes |= {f"{p}.q_norm.weight": (D,), f"{p}.k_norm.weight": (D,)}
+        per_head = cfg.qk_norm_per_head
+        shapes[f"{p}.q_norm.weight"] = (D,) if per_head else (H * D,)
+        shapes[f"{p}.k_norm.weight"] = (D,) if per_head else (Hkv * D,)
     return shapes
 
 
 def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
 
-    def swiglu(prefix: str, inner: int) -> dict[str, tuple[int, ...]]:
-        return {
+    def gated_mlp(prefix: str, inner: int) -> dict[str, tuple[int, ...]]:
+        shapes = {
             f"{prefix}.gate_proj.weight": (inner, h),
             f"{prefix}.up_proj.weight": (inner, h),
             f"{prefix}.down_proj.weight": (h, inner),
         }
+        if cfg.mlp_bias:
+            shapes |= {f"{prefix}.gate_proj.bias": (inner,), f"{prefix}.up_proj.bias": (inner,)}
+            shapes[f"{prefix}.down_proj.bias"] = (h,)
+        return shapes
 
     if not cfg.is_moe_layer(layer):
-        return swiglu(p, cfg.intermediate_size)
+        return gated_mlp(p, cfg.intermediate_size)
     E, inner = cfg.n_routed_experts, cfg.moe_intermediate_size
     shapes = {
         f"{p}.gate.weight": (E, h),
@@ -69,8 +75,20 @@ def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ..
         f"{p}.experts.down_proj": (E, h, inner),
     }
     if cfg.n_shared_experts:
-        shapes |= swiglu(f"{p}.shared_experts", inner * cfg.n_shared_experts)
+        shapes |= gated_mlp(f"{p}.shared_experts", inner * cfg.n_shared_experts)
     return shapes
+
+
+# A layer's RMSNorms by ModelConfig.norm_placement: before attention, after it, before the MLP,
+# after it (None: no norm there). The names are those of Hugging Face's checkpoints.
+BLOCK_NORMS = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "sandwich": (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}  # fmt: skip
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -78,10 +96,14 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (cfg.hidden_size,)
-        shapes |= _attention_shapes(cfg, f"{p}.self_attn")
-        shapes[f"{p}.post_attention_layernorm.weight"] = (cfg.hidden_size,)
-        shapes |= _mlp_shapes(cfg, f"{p}.mlp", i)
+        attn_in, attn_out, mlp_in, mlp_out = (
+            {} if name is None else {f"{p}.{name}.weight": (cfg.hidden_size,)}
+            for name in BLOCK_NORMS[cfg.norm_placement]
+        )
+        shapes |= attn_in | _attention_shapes(cfg, f"{p}.self_attn")
+        if cfg.attention_out_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (cfg.hidden_size,)
+        shapes |= attn_out | mlp_in | _mlp_shapes(cfg, f"{p}.mlp", i) | mlp_out
     shapes["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings and cfg.model_type == "decoder":
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
@@ -102,7 +124,8 @@ def init_params(
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Fresh weights: normal(0, initializer_range), output projections scaled down by depth
-    (GPT-2 style, so the residual stream does not grow with layers), norms one, biases zero."""
+    (GPT-2 style, so the residual stream does not grow with layers), norms one (their offsets
+    from one zero, with rms_norm_unit_offset), biases zero."""
     generator = torch.Generator().manual_seed(seed)
     depth_scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
     params = {}
@@ -110,7 +133,7 @@ def init_params(
         if key.endswith(".bias"):
             t = torch.zeros(shape)
         elif key.endswith("norm.weight"):
-            t = torch.ones(shape)
+            t = torch.zeros(shape) if cfg.rms_norm_unit_offset else torch.ones(shape)
         else:
             std = cfg.initializer_range
             if key.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

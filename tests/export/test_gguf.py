@@ -162,6 +162,11 @@ def test_qk_norm_goes_out_as_qwen3_without_permutation(tmp_path, tokenizer):
         ({"use_gated_attention": True}, "gated attention"),
         ({"model_type": "encoder"}, "model_type='encoder'"),
         ({"rope_scaling": RopeScaling("dynamic", 2.0)}, "dynamic"),
+        ({"sliding_window": 4}, "sliding-window attention"),
+        (
+            {"hidden_act": "gelu_pytorch_tanh", "rms_norm_unit_offset": True},
+            "hidden_act='gelu_pytorch_tanh'; rms_norm_unit_offset=True",
+        ),
     ],
 )
 def test_what_gguf_cannot_express_is_refused_by_name(tmp_path, change, named):

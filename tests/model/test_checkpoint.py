@@ -142,3 +142,65 @@ def test_config_json_of_hf_folder_is_read(tmp_path):
     _, cfg = load_pretrained(tmp_path)
     assert cfg.attention_bias and cfg.tie_word_embeddings
     assert cfg.num_key_value_heads == data["num_key_value_heads"]
+
+
+@pytest.mark.parametrize(
+    ("family", "windows"),
+    [
+        ("mistral", {"sliding_window": 5}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 5, "max_window_layers": 1}),
+    ],
+)
+def test_sliding_windows_match_transformers(tmp_path, family, windows):
+    config_cls, model_cls, _ = HF_MODELS[family]
+    config = getattr(transformers, config_cls)(**SHAPE, **windows)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    model.save_pretrained(tmp_path)
+    params, cfg = load_pretrained(tmp_path)
+    slides = [cfg.is_sliding_layer(i) for i in range(cfg.num_hidden_layers)]
+    types = getattr(config, "layer_types", ["sliding_attention"] * 2)  # Mistral: every layer
+    assert slides == [t == "sliding_attention" for t in types]
+    tokens = torch.randint(0, 128, (2, 3 * 5 + 1), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    assert (forward(params, cfg, tokens) - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("llama", {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh"}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+        ("mistral", {"sliding_window": 6, "tie_word_embeddings": True}),
+    ],
+)
+def test_an_imported_model_saved_again_is_read_by_transformers(tmp_path, family, extra):
+    config_cls, model_cls, _ = HF_MODELS[family]
+    config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random biases and norms, so a dropped one would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "hf")
+    params, cfg = load_pretrained(tmp_path / "hf")
+    save_pretrained(tmp_path / "ours", params, cfg)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(again) is type(model)
+    tokens = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(tokens).logits
+        assert torch.equal(again(tokens).logits, expected)
+    assert (forward(params, cfg, tokens) - expected).abs().max() < 1e-4
+    assert load_pretrained(tmp_path / "ours")[1] == cfg
+
+
+def test_a_family_that_cannot_hold_the_model_is_refused_before_writing(tmp_path):
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=48, family="mistral", use_qk_norm=True)  # fmt: skip
+    with pytest.raises(ValueError, match="cannot hold use_qk_norm"):
+        save_pretrained(tmp_path, init_params(cfg), cfg)
+    assert not list(tmp_path.iterdir())
