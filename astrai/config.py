@@ -13,7 +13,7 @@ import json
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import msgspec
 
@@ -377,26 +377,6 @@ def load_toml(path: str | Path, struct: type, table: str | None = None) -> Any:
     else:
         source = str(path)
     return from_dict(struct, data, source)
-
-
-def model_config_from_json(path: str | Path) -> ModelConfig:
-    """Read config.json: AstrAI's own, or one of a Hugging Face family (docs/models.md)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    kind = data.get("model_type", "decoder")
-    if kind in get_args(HFFamily):
-        from astrai.model.hf_config import config_from_hf  # the families live with the model
-
-        return config_from_hf(data, str(path))
-    if kind not in ("decoder", "encoder"):
-        families = ", ".join(get_args(HFFamily))
-        raise ConfigError(f"{path}: model_type: {kind} is not supported (ours, or {families})")
-    return from_dict(ModelConfig, data, str(path))
 
 
 def write_model_config(path: str | Path, cfg: ModelConfig) -> None:

@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_engine(folder: Path, dtype: str | None = None, quantize: str | None = None):
-    from astrai.config import model_config_from_json
     from astrai.infer import Engine
+    from astrai.model import model_config_from_json
     from astrai.tokenizer import Tokenizer
 
     if model_config_from_json(folder / "config.json").model_type != "decoder":

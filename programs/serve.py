@@ -133,8 +133,9 @@ def load_engine(folder: Path, serve_cfg):
     """The model in `folder` -> an Engine (or an EncoderModel for an encoder). An Engine reads
     its weights on its own thread: the process keeps one thread doing torch work."""
     import astrai
-    from astrai.config import engine_config, model_config_from_json
+    from astrai.config import engine_config
     from astrai.infer import Engine
+    from astrai.model import model_config_from_json
     from astrai.serve import EncoderModel
     from astrai.tokenizer import Tokenizer
 

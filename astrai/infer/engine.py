@@ -199,8 +199,7 @@ class Engine:
         its weights read on the engine thread. The tokenizer is the folder's unless given."""
         from pathlib import Path
 
-        from astrai.config import model_config_from_json
-        from astrai.model import load_pretrained
+        from astrai.model import load_pretrained, model_config_from_json
         from astrai.tokenizer import Tokenizer
 
         path = Path(path)

@@ -11,6 +11,7 @@ from astrai.model.forward import (
     init_cache,
     lm_head,
 )
+from astrai.model.hf_config import model_config_from_json
 from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
 from astrai.model.params import DTYPES, canonical_order, init_params, param_shapes
@@ -35,6 +36,7 @@ __all__ = [
     "lm_head",
     "load_pretrained",
     "merge_lora",
+    "model_config_from_json",
     "param_shapes",
     "rope_tables",
     "save_pretrained",

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from astrai.config import ModelConfig, model_config_from_json, write_model_config
-from astrai.model.hf_config import config_to_hf
+from astrai.config import ModelConfig, write_model_config
+from astrai.model.hf_config import config_to_hf, model_config_from_json
 from astrai.model.hf_keys import params_from_hf, params_to_hf
 from astrai.model.params import DTYPES, param_shapes
 

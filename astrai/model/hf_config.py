@@ -11,9 +11,10 @@ docs/models.md lists the families and what each maps to.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, NamedTuple, get_args, get_type_hints
 
-from astrai.config import ConfigError, ModelConfig, RopeScaling, from_dict
+from astrai.config import ConfigError, HFFamily, ModelConfig, RopeScaling, from_dict
 
 # Keys that say nothing about what a forward pass computes. Reviewed: a key belongs here only
 # when no value of it changes a logit.
@@ -484,3 +485,21 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
         return rope
     local = {"rope_theta": cfg.rope_local_base_freq, "rope_type": "default"}
     return {"full_attention": rope, "sliding_attention": local}
+
+
+def model_config_from_json(path: str | Path) -> ModelConfig:
+    """Read config.json: AstrAI's own, or one of a Hugging Face family (docs/models.md)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+    kind = data.get("model_type", "decoder")
+    if kind in get_args(HFFamily):
+        return config_from_hf(data, str(path))
+    if kind not in ("decoder", "encoder"):
+        families = ", ".join(get_args(HFFamily))
+        raise ConfigError(f"{path}: model_type: {kind} is not supported (ours, or {families})")
+    return from_dict(ModelConfig, data, str(path))

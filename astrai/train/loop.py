@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from astrai.config import TrainConfig, model_config_from_json
+from astrai.config import TrainConfig
+from astrai.model import model_config_from_json
 from astrai.train import grpo
 from astrai.train.batches import BatchSource, open_batches
 from astrai.train.distributed import DistInfo, barrier

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor import empty as sharded_empty
 
-from astrai.config import ModelConfig, TrainConfig, model_config_from_json, write_model_config
-from astrai.model import param_shapes
+from astrai.config import ModelConfig, TrainConfig, write_model_config
+from astrai.model import model_config_from_json, param_shapes
 from astrai.train.checkpoint_folder import (
     by_path,
     check_moments,

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmark pa
 import torch
 
 import astrai
-from astrai.config import model_config_from_json
+from astrai.model import model_config_from_json
 from benchmark import ours, reference
 from benchmark.models import Workload, bench_tokenizer
 

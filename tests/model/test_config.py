@@ -2,7 +2,8 @@
 
 import pytest
 
-from astrai.config import ConfigError, ModelConfig, load_toml, model_config_from_json
+from astrai.config import ConfigError, ModelConfig, load_toml
+from astrai.model import model_config_from_json
 
 
 def write(tmp_path, name, text):

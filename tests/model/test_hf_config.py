@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from astrai.config import ConfigError, model_config_from_json
+from astrai.config import ConfigError
+from astrai.model import model_config_from_json
 from astrai.model.hf_config import (
     COMMON,
     FAMILIES,

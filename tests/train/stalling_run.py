@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from astrai.config import load_train_config, model_config_from_json
+from astrai.config import load_train_config
+from astrai.model import model_config_from_json
 from astrai.train import train
 from astrai.train.batches import BatchSource, open_batches
 from astrai.train.distributed import init_distributed, shutdown
