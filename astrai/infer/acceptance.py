@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from astrai.infer.proposal import Proposal
+from astrai.infer.proposal import Proposal, check_proposal
 from astrai.infer.sampling import (
     SamplingParams,
     adjusted_logits,
@@ -112,6 +112,7 @@ def verify_sampled(
         raise ValueError(
             f"logits: expected {k + 1} rows for {k} proposed tokens, got {len(logits)}"
         )
+    check_proposal(proposal, logits.shape[-1])
     adjusted = request_logits(logits, sp, history, tokens, allowed)
     if sp.temperature == 0:
         return verify_greedy(adjusted[None], [list(tokens)])[0]

@@ -24,7 +24,12 @@ PROMPT = [0, 1, 2, 3, 1, 2, 0, 1]
 SETTINGS = {
     "plain": SamplingParams(temperature=1.0),
     "filtered": SamplingParams(
-        temperature=0.7, top_k=3, repetition_penalty=1.5, presence_penalty=0.3, penalty_window=3
+        temperature=0.7,
+        top_k=3,
+        top_p=0.9,
+        repetition_penalty=1.5,
+        presence_penalty=0.3,
+        penalty_window=3,
     ),
 }
 
@@ -57,7 +62,9 @@ def exact(table, sp: SamplingParams) -> torch.Tensor:
                 presence_penalty=sp.presence_penalty,
                 recent_tokens=None if window is None else torch.tensor([window]),
             )
-            probs = probabilities(logits, temperature=sp.temperature, top_k=sp.top_k)[0].double()
+            probs = probabilities(
+                logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p
+            )[0].double()
             p *= float(probs[tail[j]] / probs.sum())
         out[cell] = p
     return out
@@ -179,3 +186,13 @@ def test_chi_square_p_value_is_pearsons():
     # 2 cells, 60/40 against 50/50 of 100: stat 4, one degree of freedom, p = erfc(sqrt(2))
     p = chi_square_p(torch.tensor([60, 40]), torch.tensor([0.5, 0.5], dtype=torch.float64))
     assert p == pytest.approx(math.erfc(math.sqrt(2)), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "proposal, field",
+    [(Proposal([V]), "tokens"), (Proposal([1, 2], torch.full((1, V), 1 / V)), "probs")],
+)
+def test_a_proposal_that_cannot_be_verified_is_refused(proposal, field, tables):
+    logits = torch.zeros(len(proposal.tokens) + 1, V)
+    with pytest.raises(ValueError, match=f"Proposal.{field}"):
+        verify_sampled(logits, proposal, SETTINGS["plain"], None, PROMPT)
