@@ -13,10 +13,13 @@ import torch
 from infer_models import BASE
 
 import astrai as ai
+from astrai.infer import init_pages
 from astrai.infer.acceptance import Verdict, request_logits, request_probs, verify_sampled
+from astrai.infer.draft import init_draft
 from astrai.infer.lookup import init_lookup, propose_lookup
 from astrai.infer.proposal import Proposal
 from astrai.infer.sampling import SamplingParams, adjusted_logits, draw, probabilities, sample_ids
+from astrai.infer.speculative_loop import speculative_generate
 
 V, NEW, K = 4, 3, 2
 CFG = ai.ModelConfig(**{**BASE, "vocab_size": V})
@@ -125,7 +128,7 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
-SEEDS = 4000
+SEEDS = 4000  # the loop test runs a quarter: each of its runs is a paged forward or three
 ALPHA = 1e-3  # the seeds are fixed, so each case passes or fails the same way every run
 
 
@@ -196,3 +199,28 @@ def test_a_proposal_that_cannot_be_verified_is_refused(proposal, field, tables):
     logits = torch.zeros(len(proposal.tokens) + 1, V)
     with pytest.raises(ValueError, match=f"Proposal.{field}"):
         verify_sampled(logits, proposal, SETTINGS["plain"], None, PROMPT)
+
+
+def test_the_loop_with_a_sampled_draft_model_samples_the_plain_distribution(tables):
+    """End to end: the paged verification forward, the draft model's own pool and the
+    probabilities it reports for the tokens it drew, through speculative_generate."""
+    sp = SETTINGS["filtered"]
+    target, draft = ai.init_params(CFG, seed=0), ai.init_params(CFG, seed=5)
+    pool, state, cells = init_pages(CFG, 8, 4), init_draft(draft, CFG, 8, 4), []
+    with torch.no_grad():
+        for seed in range(SEEDS // 4):
+            tokens, _, pool, state = speculative_generate(
+                target,
+                CFG,
+                pool,
+                PROMPT,
+                NEW,
+                state,
+                K,
+                sp,
+                torch.Generator().manual_seed(seed),
+                torch.Generator().manual_seed(seed + 10**6),
+            )
+            cells.append(sum(t * V ** (NEW - 1 - i) for i, t in enumerate(tokens)))
+    counts = torch.bincount(torch.tensor(cells), minlength=V**NEW)
+    assert chi_square_p(counts, exact(tables[0], sp)) > ALPHA
