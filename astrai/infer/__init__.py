@@ -13,6 +13,7 @@ from astrai.infer.constraints import (
 from astrai.infer.draft import (
     DraftState,
     draft_propose,
+    draft_propose_batch,
     draft_release,
     draft_rollback,
     init_draft,
@@ -94,6 +95,7 @@ __all__ = [
     "decode_step",
     "discard_after",
     "draft_propose",
+    "draft_propose_batch",
     "draft_release",
     "draft_rollback",
     "engine_stats",

@@ -86,30 +86,61 @@ def draft_propose(
     sp None or at temperature 0: greedy draft tokens, Proposal.probs None; otherwise drawn
     with sp's transforms and `generator`. An empty proposal when the draft's pool has no room
     or the model's positions run out. The state is donated."""
-    if not tokens:
+    state, proposals = draft_propose_batch(state, [rid], [tokens], k, [sp], [generator])
+    return state, proposals[0]
+
+
+def draft_propose_batch(
+    state: DraftState,
+    rids: list[str],
+    token_lists: list[list[int]],
+    k: int,
+    settings: list[SamplingParams | None] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+) -> tuple[DraftState, list[Proposal]]:
+    """`draft_propose` for a batch of requests: one prefill chunk that catches every request
+    up, then k - 1 batched decode steps. All get k tokens, fewer when a request is near the
+    model's last position; a request the pool has no room for gets an empty proposal."""
+    B = len(rids)
+    settings, generators = settings or [None] * B, generators or [None] * B
+    if any(not tokens for tokens in token_lists):
         raise ValueError("draft_propose: tokens must hold at least the prompt's first token")
-    k = min(k, state.cfg.max_position_embeddings - len(tokens))
-    if k <= 0 or not _grow(state, rid, len(tokens) + k - 1):
-        return state, Proposal([])
+    limit = state.cfg.max_position_embeddings
+    k = min([k] + [limit - len(tokens) for tokens in token_lists])
+    proposals = [Proposal([])] * B
+    rows = [b for b in range(B) if k > 0 and _grow(state, rids[b], len(token_lists[b]) + k - 1)]
+    if not rows:
+        return state, proposals
+    tokens = [token_lists[b] for b in rows]
+    pages = [state.pages[rids[b]] for b in rows]
     # at least the last token is fed: its logits give the first draft token
-    done = min(state.computed.get(rid, 0), len(tokens) - 1)
-    table = torch.tensor([state.pages[rid]], device=state.pool["k"].device)
-    chunk = torch.tensor([tokens[done:]], device=table.device)
-    logits, state.pool = prefill(state.params, state.cfg, state.pool, chunk, table, done)
-    drafted, rows = [], []
+    done = [min(state.computed.get(rids[b], 0), len(t) - 1) for b, t in zip(rows, tokens)]
+    device = state.pool["k"].device
+    width = max(len(p) for p in pages)  # entries past a row's pages are never read
+    table = torch.tensor([p + [p[0]] * (width - len(p)) for p in pages], device=device)
+    chunks = [t[d:] for t, d in zip(tokens, done)]
+    T = max(len(c) for c in chunks)
+    padded = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=device)
+    lengths = torch.tensor([len(c) for c in chunks], device=device)
+    start = torch.tensor(done, device=device)
+    logits, state.pool = prefill(state.params, state.cfg, state.pool, padded, table, start, lengths)
+    drafted, qs = [[] for _ in rows], [[] for _ in rows]
     for i in range(k):
-        token, q = _pick(logits[0], sp, generator, tokens + drafted)
-        drafted.append(token)
-        rows.append(q)
+        for j, b in enumerate(rows):
+            token, q = _pick(logits[j], settings[b], generators[b], tokens[j] + drafted[j])
+            drafted[j].append(token)
+            qs[j].append(q)
         if i < k - 1:
-            position = torch.tensor([len(tokens) + i], device=table.device)
-            step = torch.tensor([token], device=table.device)
+            step = torch.tensor([d[-1] for d in drafted], device=device)
+            positions = torch.tensor([len(t) + i for t in tokens], device=device)
             logits, state.pool = decode_step(
-                state.params, state.cfg, state.pool, step, position, table
+                state.params, state.cfg, state.pool, step, positions, table
             )
-    state.computed[rid] = len(tokens) + k - 1
-    probs = None if rows[0] is None else torch.stack(rows)
-    return state, Proposal(drafted, probs)
+    for j, b in enumerate(rows):
+        state.computed[rids[b]] = len(tokens[j]) + k - 1
+        probs = None if qs[j][0] is None else torch.stack(qs[j])
+        proposals[b] = Proposal(drafted[j], probs)
+    return state, proposals
 
 
 def draft_rollback(state: DraftState, rid: str, keep: int) -> DraftState:

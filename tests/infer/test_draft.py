@@ -1,6 +1,6 @@
 """The draft model's own pool: after any accept/reject sequence its K/V are those of the
-tokens that stand (its proposals equal a fresh draft's), and releasing a request frees every
-page it took."""
+tokens that stand (its batched proposals equal a fresh draft's for each request alone), and
+releasing a request frees every page it took."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from infer_models import make_model
 
 from astrai.infer import num_free_pages, pages_for
-from astrai.infer.draft import draft_propose, draft_release, draft_rollback, init_draft
+from astrai.infer.draft import (
+    draft_propose,
+    draft_propose_batch,
+    draft_release,
+    draft_rollback,
+    init_draft,
+)
 
 PAGE_SIZE, NUM_PAGES = 2, 40
 PARAMS, CFG = make_model("gqa", seed=1)
@@ -44,8 +50,11 @@ def test_rolled_back_draft_proposes_what_a_fresh_one_does(prompts, plan):
     requests = {str(i): list(p) for i, p in enumerate(prompts)}
     with torch.no_grad():
         for k, accepted, cut, own in plan:
-            for rid, tokens in requests.items():  # the requests take turns, as in a batch
-                state, proposal = draft_propose(state, rid, tokens, k)
+            # the requests propose as one batch; each against a fresh draft of its own
+            rids = list(requests)
+            state, proposals = draft_propose_batch(state, rids, list(requests.values()), k)
+            for rid, proposal in zip(rids, proposals):
+                tokens = requests[rid]
                 fresh = init_draft(PARAMS, CFG, NUM_PAGES, PAGE_SIZE)
                 _, expected = draft_propose(fresh, rid, tokens, k)
                 assert proposal.tokens == expected.tokens
