@@ -224,3 +224,20 @@ def test_the_loop_with_a_sampled_draft_model_samples_the_plain_distribution(tabl
             cells.append(sum(t * V ** (NEW - 1 - i) for i, t in enumerate(tokens)))
     counts = torch.bincount(torch.tensor(cells), minlength=V**NEW)
     assert chi_square_p(counts, exact(tables[0], sp)) > ALPHA
+
+
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_every_kept_token_is_one_the_grammar_allows(settings):
+    """allowed[j] is the grammar's mask after the first j proposed tokens: a proposed token
+    it forbids has p = 0 and is never kept, and no corrected or bonus token breaks it."""
+    sp = SETTINGS[settings]
+    g = torch.Generator().manual_seed(0)
+    for seed in range(200):
+        logits = torch.randn(K + 1, V, generator=g) * 3
+        allowed = torch.rand(K + 1, V, generator=g) < 0.5
+        allowed[torch.arange(K + 1), torch.randint(0, V, (K + 1,), generator=g)] = True
+        proposed = torch.randint(0, V, (K,), generator=g).tolist()
+        generator = torch.Generator().manual_seed(seed)
+        verdict = verify_sampled(logits, Proposal(proposed), sp, generator, PROMPT, allowed)
+        assert verdict.tokens[: verdict.accepted] == proposed[: verdict.accepted]
+        assert all(allowed[j, t] for j, t in enumerate(verdict.tokens))
