@@ -2,12 +2,21 @@
 continuous batching as pure functions over an engine state (step.py) and the Engine that runs
 them on a background thread."""
 
+from astrai.infer.acceptance import Verdict, verify_greedy, verify_sampled
 from astrai.infer.constraints import (
     Constraint,
     ConstraintError,
     accept_token,
     allowed_tokens,
     start_constraint,
+)
+from astrai.infer.draft import (
+    DraftState,
+    draft_propose,
+    draft_propose_batch,
+    draft_release,
+    draft_rollback,
+    init_draft,
 )
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
@@ -18,8 +27,9 @@ from astrai.infer.events import (
     Usage,
 )
 from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.lookup import LookupIndex, extend_lookup, init_lookup, propose_lookup
 from astrai.infer.packed import PackedMatrix
-from astrai.infer.paged import decode_step, prefill
+from astrai.infer.paged import decode_step, prefill, prefill_logits
 from astrai.infer.pages import (
     alloc_pages,
     free_pages,
@@ -29,6 +39,7 @@ from astrai.infer.pages import (
     share_pages,
 )
 from astrai.infer.prepare import kernels_used, prepare_params
+from astrai.infer.proposal import Proposal
 from astrai.infer.quant import Int8Matrix
 from astrai.infer.radix import (
     PrefixCache,
@@ -39,6 +50,8 @@ from astrai.infer.radix import (
     match_prefix,
 )
 from astrai.infer.sampling import SamplingParams, sample, sample_requests, token_logprobs
+from astrai.infer.speculative import discard_after, verify_forward
+from astrai.infer.speculative_loop import SpecStats, speculative_generate
 from astrai.infer.step import (
     EngineState,
     Request,
@@ -56,17 +69,22 @@ __all__ = [
     "Completion",
     "Constraint",
     "ConstraintError",
+    "DraftState",
     "Engine",
     "EngineState",
     "Int8Matrix",
+    "LookupIndex",
     "Overloaded",
     "PackedMatrix",
     "PrefixCache",
     "PromptTooLong",
+    "Proposal",
     "Request",
     "SamplingParams",
+    "SpecStats",
     "StreamEvent",
     "Usage",
+    "Verdict",
     "accept_token",
     "add_request",
     "alloc_pages",
@@ -75,12 +93,20 @@ __all__ = [
     "cancel_request",
     "clear_prefix_cache",
     "decode_step",
+    "discard_after",
+    "draft_propose",
+    "draft_propose_batch",
+    "draft_release",
+    "draft_rollback",
     "engine_stats",
     "engine_step",
     "evict",
+    "extend_lookup",
     "forget_cached_kv",
     "free_pages",
+    "init_draft",
     "init_engine",
+    "init_lookup",
     "init_pages",
     "init_prefix_cache",
     "insert_prefix",
@@ -90,12 +116,18 @@ __all__ = [
     "num_free_pages",
     "pages_for",
     "prefill",
+    "prefill_logits",
     "prepare_params",
     "products_here",
+    "propose_lookup",
     "run_requests",
     "sample",
     "sample_requests",
     "share_pages",
+    "speculative_generate",
     "start_constraint",
     "token_logprobs",
+    "verify_forward",
+    "verify_greedy",
+    "verify_sampled",
 ]

@@ -77,6 +77,25 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+def _chunk(tokens, start_pos, lengths):
+    """Positions [B, T] of a right-padded batch of chunks, the mask of real tokens (None when
+    every row is full) and each row's last real index [B]."""
+    B, T = tokens.shape
+    device = tokens.device
+    start = torch.as_tensor(start_pos, dtype=torch.long, device=device).expand(B)
+    positions = start[:, None] + torch.arange(T, device=device)
+    valid = None
+    last = torch.full((B,), T - 1, dtype=torch.long, device=device)
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+        if bool((lengths < T).any()):
+            valid = torch.arange(T, device=device)[None, :] < lengths[:, None]
+            # padded rows sit at their row's last real position: they see only real keys
+            positions = torch.minimum(positions, (start + lengths - 1)[:, None])
+        last = lengths - 1
+    return positions, valid, last
+
+
 def prefill(
     params: Params,
     cfg: ModelConfig,
@@ -94,22 +113,30 @@ def prefill(
     start_pos (int or [B]) is where each chunk begins, e.g. after a cached prefix or an earlier
     chunk. Returns (logits [B, vocab] float32, pool). The pool is donated.
     """
-    B, T = tokens.shape
-    device = tokens.device
-    start = torch.as_tensor(start_pos, dtype=torch.long, device=device).expand(B)
-    positions = start[:, None] + torch.arange(T, device=device)
-    valid = None
-    last = torch.full((B,), T - 1, dtype=torch.long, device=device)
-    if lengths is not None:
-        lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
-        if bool((lengths < T).any()):
-            valid = torch.arange(T, device=device)[None, :] < lengths[:, None]
-            # padded rows sit at their row's last real position: they see only real keys
-            positions = torch.minimum(positions, (start + lengths - 1)[:, None])
-        last = lengths - 1
+    positions, valid, last = _chunk(tokens, start_pos, lengths)
     hidden = _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
-    hidden = hidden[torch.arange(B, device=device), last]
+    hidden = hidden[torch.arange(len(tokens), device=tokens.device), last]
     return lm_head(params, cfg, hidden).float(), pool
+
+
+def prefill_logits(
+    params: Params,
+    cfg: ModelConfig,
+    pool: Pool,
+    tokens: torch.Tensor,
+    page_table: torch.Tensor,
+    start_pos: torch.Tensor | int,
+    lengths: torch.Tensor | None = None,
+    lora: dict | None = None,
+) -> tuple[torch.Tensor, Pool]:
+    """`prefill`, returning the logits after every token of each chunk: [B, T, vocab] float32
+    (a padded position repeats its row's last real one). Verifying speculated tokens needs
+    the target's distribution at each of them. The pool is donated."""
+    positions, valid, _ = _chunk(tokens, start_pos, lengths)
+    hidden = _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
+    B, T = tokens.shape
+    # the packed weight layouts take rows, not [B, T] batches
+    return lm_head(params, cfg, hidden.flatten(0, 1)).float().view(B, T, -1), pool
 
 
 def decode_step(

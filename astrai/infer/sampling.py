@@ -125,6 +125,73 @@ def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
     return first * block + inside
 
 
+def adjusted_logits(
+    logits: torch.Tensor,
+    *,
+    repetition_penalty=1.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    recent_tokens: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The stages of `sample` before temperature, as float32 logits [B, vocab]: penalties,
+    logit bias, the grammar's mask. Greedy decoding takes their argmax."""
+    logits = logits.float()
+    if recent_tokens is not None and not (
+        _is(repetition_penalty, 1.0) and _is(frequency_penalty, 0.0) and _is(presence_penalty, 0.0)
+    ):
+        logits = apply_penalties(
+            logits, recent_tokens, repetition_penalty, frequency_penalty, presence_penalty
+        )
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    if allowed is not None:
+        # a huge penalty or bias can push every token the grammar allows to -inf (or NaN):
+        # they stay the lowest finite numbers, so the mask below still leaves one to pick
+        if logit_bias is not None or recent_tokens is not None:
+            lowest, highest = torch.finfo(logits.dtype).min, torch.finfo(logits.dtype).max
+            logits = logits.nan_to_num(nan=lowest, posinf=highest, neginf=lowest)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def probabilities(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The distribution `sample` draws from, [B, vocab], unnormalised once top-p or min-p
+    drop tokens (draw from it with `draw`): temperature, top-k, top-p, min-p over adjusted
+    logits. Rows at temperature 0 come out as at a tiny temperature; `sample` takes their
+    argmax instead."""
+    B, V = logits.shape
+    device = logits.device
+    temp = _column(temperature, B, torch.float32, device)
+    logits = logits / temp.clamp(min=1e-5)
+    if not _is(top_k, 0):
+        k = _column(top_k, B, torch.long, device)
+        k = torch.where(k <= 0, V, k.clamp(max=V))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if not _is(top_p, 1.0):
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+        drop = before >= _column(top_p, B, torch.float32, device)
+        drop[:, 0] = False  # the most likely token stays, also when top_p underflows to 0
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    if not _is(min_p, 0.0):
+        floor = _column(min_p, B, torch.float32, device) * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """One token per row [B] from probs [B, vocab] (not necessarily normalised), by one
+    uniform draw per row from its generator."""
+    V = probs.shape[1]
+    cdf = probs.cumsum(-1)
+    target = _uniform(generator, len(probs)).to(probs.device) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=V - 1)
+
+
 def sample(
     logits: torch.Tensor,
     generator: Generators = None,
@@ -148,47 +215,21 @@ def sample(
     logit_bias [B, vocab] is added to the logits. allowed [B, vocab] (bool) masks out every
     token it marks False, before any other stage sees the logits (see constraints.py).
     """
-    B, V = logits.shape
-    device = logits.device
-    logits = logits.float()
-    if recent_tokens is not None and not (
-        _is(repetition_penalty, 1.0) and _is(frequency_penalty, 0.0) and _is(presence_penalty, 0.0)
-    ):
-        logits = apply_penalties(
-            logits, recent_tokens, repetition_penalty, frequency_penalty, presence_penalty
-        )
-    if logit_bias is not None:
-        logits = logits + logit_bias
-    if allowed is not None:
-        # a huge penalty or bias can push every token the grammar allows to -inf (or NaN):
-        # they stay the lowest finite numbers, so the mask below still leaves one to pick
-        if logit_bias is not None or recent_tokens is not None:
-            lowest, highest = torch.finfo(logits.dtype).min, torch.finfo(logits.dtype).max
-            logits = logits.nan_to_num(nan=lowest, posinf=highest, neginf=lowest)
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = adjusted_logits(
+        logits,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        recent_tokens=recent_tokens,
+        logit_bias=logit_bias,
+        allowed=allowed,
+    )
     greedy_ids = argmax_rows(logits)
     if _is(temperature, 0.0):
         return greedy_ids
-    temp = _column(temperature, B, torch.float32, device)
-    logits = logits / temp.clamp(min=1e-5)
-    if not _is(top_k, 0):
-        k = _column(top_k, B, torch.long, device)
-        k = torch.where(k <= 0, V, k.clamp(max=V))
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if not _is(top_p, 1.0):
-        sorted_probs, order = probs.sort(-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-        drop = before >= _column(top_p, B, torch.float32, device)
-        drop[:, 0] = False  # the most likely token stays, also when top_p underflows to 0
-        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-    if not _is(min_p, 0.0):
-        floor = _column(min_p, B, torch.float32, device) * probs.amax(-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    cdf = probs.cumsum(-1)
-    target = _uniform(generator, B).to(device) * cdf[:, -1]
-    sampled = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=V - 1)
+    probs = probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    sampled = draw(probs, generator)
+    temp = _column(temperature, len(logits), torch.float32, logits.device)
     return torch.where(temp[:, 0] == 0, greedy_ids, sampled)
 
 

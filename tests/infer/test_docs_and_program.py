@@ -1,4 +1,5 @@
-"""The custom sampling loop in docs/inference.md gives the Engine's tokens; generate.py works."""
+"""The custom sampling loop in docs/inference.md gives the Engine's tokens; the speculative
+example there runs; generate.py works."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from infer_models import BASE, greedy_reference, make_model
 
 import astrai as ai
@@ -96,3 +98,12 @@ def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
     with pytest.raises(SystemExit) as exit_info:
         run_program(monkeypatch, "--help")
     assert exit_info.value.code == 0
+
+
+def test_docs_speculative_example_runs():
+    text = (ROOT / "docs" / "inference.md").read_text()
+    block = re.search(r"## Speculative decoding.*?```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    with torch.no_grad():
+        exec(compile(block, "docs/inference.md", "exec"), namespace)
+    assert namespace["spec"] == namespace["plain"] and len(namespace["spec"]) == 16
