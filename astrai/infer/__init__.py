@@ -18,6 +18,7 @@ from astrai.infer.events import (
     Usage,
 )
 from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.int4 import Int4Matrix
 from astrai.infer.packed import PackedMatrix
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import (
@@ -58,6 +59,7 @@ __all__ = [
     "ConstraintError",
     "Engine",
     "EngineState",
+    "Int4Matrix",
     "Int8Matrix",
     "Overloaded",
     "PackedMatrix",
