@@ -969,11 +969,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Weights and K/V dtype. "auto": bfloat16 where the hardware multiplies it natively
     (CUDA, AVX-512 BF16, AMX, Arm BF16), float32 otherwise; the choice is logged at start. Not
     set: the weights' own dtype (float32 for a checkpoint `just serve` loads)."""
-    quantize: Literal["int8"] | None = None
-    """Store the matrices of the layers and the head in 8 bits, one scale per output channel
-    (the embedding and the norms keep `dtype`). Which int8 product runs (weight-only, or with
-    activations quantized on the fly) is measured per shape at load and logged. Not set: the
-    weights stay in `dtype`."""
+    quantize: Literal["int8", "int4"] | None = None
+    """Store the matrices of the layers and the head in 8 bits, one scale per output channel,
+    or in 4 bits, a scale and a zero point per group of 32, 64 or 128 inputs (the embedding and
+    the norms keep `dtype`). Which product runs (for int8 weight-only, or with activations
+    quantized on the fly; for int4 the group size too) is measured per shape at load and
+    logged. Not set: the weights stay in `dtype`."""
     decode_run: int = 4
     """Decode steps run back to back when a step only decodes and every request in it samples
     from its logits alone (no repetition, frequency or presence penalty, no log-probs, no

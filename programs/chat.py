@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, help="reply i uses seed + i: a session replays exactly")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), help="weights and K/V (default: float32; auto: bfloat16 where it is native)")  # fmt: skip
-    parser.add_argument("--quantize", choices=["int8"], help="8-bit weights (default: none)")
+    parser.add_argument(
+        "--quantize", choices=["int8", "int4"], help="8- or 4-bit weights (default: none)"
+    )
     return parser.parse_args(argv)
 
 

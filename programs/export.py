@@ -1,6 +1,6 @@
 """Export a model folder to another runtime's file format.
 
-    python programs/export.py --model DIR --format gguf --out FILE.gguf [--type f32|f16|bf16|q8_0]
+    python programs/export.py --model DIR --format gguf --out FILE.gguf [--type f32|f16|bf16|q8_0|q4_0]
 
 GGUF is the file llama.cpp and Ollama load: weights in the chosen type, the hyperparameters
 and the tokenizer with its chat template, in one file (docs/export.md).

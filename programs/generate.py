@@ -100,7 +100,9 @@ def main() -> int:
     parser.add_argument("--json-schema", help="a JSON schema file every output must follow")
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], help="default: the checkpoint's; auto: bfloat16 where the CPU/GPU multiplies it natively")  # fmt: skip
-    parser.add_argument("--quantize", choices=["int8"], help="8-bit weights (default: none)")
+    parser.add_argument(
+        "--quantize", choices=["int8", "int4"], help="8- or 4-bit weights (default: none)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args()
     defaults = {

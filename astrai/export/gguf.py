@@ -26,7 +26,7 @@ try:  # the optional `export` extra
 except ImportError:  # pragma: no cover - exercised only without the extra
     gguf = None
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 # our key suffix (inside model.layers.{i}.) -> llama.cpp's tensor name (inside blk.{i}.)
 _LAYER_NAMES = {
@@ -130,8 +130,8 @@ def gguf_tensors(params: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 def _encode(tensor: torch.Tensor, type: str) -> tuple[np.ndarray, object]:
     """One tensor as the bytes and ggml type GGUF stores. Vectors (norms, biases, rope factors)
-    stay float32 as llama.cpp's converter keeps them; q8_0 needs rows in blocks of 32 and
-    falls back to f16 otherwise, as the converter does."""
+    stay float32 as llama.cpp's converter keeps them; q8_0 and q4_0 need rows in blocks of 32
+    and fall back to f16 otherwise, as the converter and llama.cpp's quantizer do."""
     g = _require_gguf()
     data = tensor.numpy()
     qtype = {
@@ -139,10 +139,12 @@ def _encode(tensor: torch.Tensor, type: str) -> tuple[np.ndarray, object]:
         "f16": g.GGMLQuantizationType.F16,
         "bf16": g.GGMLQuantizationType.BF16,
         "q8_0": g.GGMLQuantizationType.Q8_0,
+        "q4_0": g.GGMLQuantizationType.Q4_0,
     }[type]
+    blocks = (g.GGMLQuantizationType.Q8_0, g.GGMLQuantizationType.Q4_0)
     if data.ndim == 1:
         qtype = g.GGMLQuantizationType.F32
-    elif qtype == g.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+    elif qtype in blocks and data.shape[-1] % g.GGML_QUANT_SIZES[qtype][0]:
         qtype = g.GGMLQuantizationType.F16
     return g.quants.quantize(data, qtype), qtype
 
@@ -155,6 +157,7 @@ def _write_hparams(writer, cfg: ModelConfig, type: str) -> None:
             "f16": g.LlamaFileType.MOSTLY_F16,
             "bf16": g.LlamaFileType.MOSTLY_BF16,
             "q8_0": g.LlamaFileType.MOSTLY_Q8_0,
+            "q4_0": g.LlamaFileType.MOSTLY_Q4_0,
         }[type]
     )
     writer.add_quantization_version(g.GGML_QUANT_VERSION)
@@ -194,7 +197,7 @@ def save_gguf(
     name: str = "astrai",
 ) -> None:
     """Write one GGUF file llama.cpp and Ollama load: hyperparameters, tensors in `type` (one of
-    f32, f16, bf16, q8_0) and the tokenizer with its chat template.
+    f32, f16, bf16, q8_0, q4_0) and the tokenizer with its chat template.
 
     Without a tokenizer the file has llama.cpp's "none" vocabulary: it maps token ids to token
     ids only, which is what a benchmark needs and nothing else. The file is written to a

@@ -27,6 +27,7 @@ from astrai.infer.events import (
     Usage,
 )
 from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.int4 import Int4Matrix
 from astrai.infer.lookup import LookupIndex, extend_lookup, init_lookup, propose_lookup
 from astrai.infer.packed import PackedMatrix
 from astrai.infer.paged import decode_step, prefill, prefill_logits
@@ -72,6 +73,7 @@ __all__ = [
     "DraftState",
     "Engine",
     "EngineState",
+    "Int4Matrix",
     "Int8Matrix",
     "LookupIndex",
     "Overloaded",

@@ -1,7 +1,8 @@
 """prepare_params: the canonical weights turned, once, into the form that decodes fastest on
 the running machine. Every choice in it is measured here at load, never assumed from another
 machine, among the products this machine runs (astrai/infer/support.py): the layout of float
-matrices, and with `quantize="int8"` the 8-bit product."""
+matrices, with `quantize="int8"` the 8-bit product, with `quantize="int4"` the 4-bit product and
+its group size."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections import Counter
 
 import torch
 
+from astrai.infer import int4
 from astrai.infer.allocator import keep_freed_memory
 from astrai.infer.layouts import LAYOUTS
 from astrai.infer.packed import DTYPES
@@ -23,7 +25,7 @@ Params = dict[str, torch.Tensor]
 log = logging.getLogger("astrai.infer")
 
 EMBED_KEY = "model.embed_tokens.weight"
-QUANTIZE = ("int8",)
+QUANTIZE = ("int8", "int4")
 SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
 TUNE_ROWS = (1, 16)  # batch sizes the choices are timed at: one stream, and a busy server
 
@@ -121,6 +123,63 @@ def fastest_kernel(out_features: int, in_features: int, device: torch.device) ->
     return _fastest_int8(out_features, in_features, str(device), torch.get_num_threads())
 
 
+@functools.cache
+def _fastest_int4(
+    out_features: int, in_features: int, device: str, copies: int, threads: int
+) -> tuple[str, int]:
+    """(kernel, group): the 4-bit product of int4.BUILDERS among those that run here, and the
+    group size of int4.GROUPS that divides in_features, fastest together for [out, in]. Timed
+    as a decode step reads them, streamed: a pass over `copies` matrices of the shape at each
+    of TUNE_ROWS rows, best of three alternating rounds. One matrix timed again and again stays
+    in cache, where the group sizes cost the same, while a step streams from memory, where the
+    larger groups' fewer bytes count (5.0 bits a weight at group 32, 4.25 at 128)."""
+    kernels = runnable(torch.int4, (out_features, in_features), device)
+    w = torch.randn(out_features, in_features, device=device)
+    inputs = [torch.randn(rows, in_features, device=device) for rows in TUNE_ROWS]
+    candidates = {}
+    for group in int4.groups_for(in_features):
+        q, scale, zero = int4.quantize_groups(w, group)
+        for kernel in kernels:
+            build = int4.BUILDERS[kernel]
+            candidates[kernel, group] = [build(q, scale, zero, group)[1] for _ in range(copies)]
+
+    def seconds(runs: list) -> float:
+        start = time.perf_counter()
+        for x in inputs:
+            for run in runs:
+                run(x)
+        return time.perf_counter() - start
+
+    for runs in candidates.values():
+        seconds(runs)  # warm-up
+    timings = dict.fromkeys(candidates, float("inf"))
+    for _ in range(3):
+        for choice, runs in candidates.items():
+            timings[choice] = min(timings[choice], seconds(runs))
+    best = min(timings, key=timings.get)
+    shown = ", ".join(f"{k}/{g} {t * 1e3:.3f} ms" for (k, g), t in timings.items())
+    log.info("int4 %dx%d (x%d): %s/%d (%s a pass)", out_features, in_features, copies, *best, shown)
+    return best
+
+
+def fastest_int4(
+    out_features: int, in_features: int, device: torch.device, copies: int = 1
+) -> tuple[str, int]:
+    """(kernel, group size): the 4-bit product fastest for `copies` [out, in] matrices streamed
+    one after the other here (cached)."""
+    threads = torch.get_num_threads()
+    return _fastest_int4(out_features, in_features, str(device), copies, threads)
+
+
+def _int4_copies(matrices: list[torch.Tensor]) -> Counter:
+    """{shape: how many of the matrices to stream when timing it}: as many as the model has,
+    within SWEEP_BYTES of 4-bit scratch."""
+    kinds = Counter(w.shape for w in matrices)
+    return Counter(
+        {shape: min(n, max(1, 2 * SWEEP_BYTES // shape.numel())) for shape, n in kinds.items()}
+    )
+
+
 def _is_matrix(key: str, w) -> bool:
     """A weight the model multiplies through `project` (the router of a mixture of experts and
     the stacked expert tensors are multiplied otherwise, and stay as they are)."""
@@ -186,7 +245,9 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     stored [in, out]-contiguous, or packed for oneDNN (a PackedMatrix). With `quantize="int8"`
     the matrices of the layers and the head become Int8Matrix values (8-bit weights, one scale
     per output channel, the fastest int8 product that runs here; where none runs for a shape,
-    the error names each product and why). The embedding and the norms keep their dtype and
+    the error names each product and why). With `quantize="int4"` they become Int4Matrix values
+    the same way (4-bit weights, a scale and a zero point per group of inputs, the product and
+    group size measured fastest here). The embedding and the norms keep their dtype and
     layout. With tied embeddings a head laid out otherwise is a copy of its own, so the
     embedding lookup keeps reading whole rows.
 
@@ -204,6 +265,12 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
         params |= {
             key: int8_matrix(w, fastest_kernel(*w.shape, w.device)) for key, w in matrices.items()
         }
+    elif quantize == "int4":
+        copies = _int4_copies(list(matrices.values()))
+        params |= {
+            key: int4.int4_matrix(w, *fastest_int4(*w.shape, w.device, copies[w.shape]))
+            for key, w in matrices.items()
+        }
     else:
         layouts = _layouts(list(matrices.values()))
         for key, w in matrices.items():
@@ -215,10 +282,12 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
 
 def kernels_used(params: Params) -> dict[str, int]:
     """How many matrices of prepared params run each product: an Int8Matrix's or
-    PackedMatrix's kernel, "float" for a plain tensor."""
+    PackedMatrix's kernel, "int4 KERNEL/GROUP" for an Int4Matrix, "float" for a plain tensor."""
     counts: Counter[str] = Counter()
     for key, w in params.items():
-        if not isinstance(w, torch.Tensor):
+        if isinstance(w, int4.Int4Matrix):
+            counts[f"int4 {w.kernel}/{w.group}"] += 1
+        elif not isinstance(w, torch.Tensor):
             counts[w.kernel] += 1
         elif _is_matrix(key, w):
             counts["float"] += 1

@@ -1,5 +1,6 @@
-"""What this machine can run: the layouts of float matrices (astrai/infer/layouts.py) and the
-8-bit products (astrai/infer/quant.py), each with the reason where it cannot. prepare_params
+"""What this machine can run: the layouts of float matrices (astrai/infer/layouts.py), the
+8-bit products (astrai/infer/quant.py) and the 4-bit ones (astrai/infer/int4.py), each with the
+reason where it cannot. prepare_params
 chooses among those that run; the tests run each one that does and skip the others, naming why.
 
 A product is refused for a CPU feature its library needs and the CPU lacks (read from
@@ -14,6 +15,7 @@ import functools
 
 import torch
 
+from astrai.infer import int4
 from astrai.infer.hardware import cpu_flags
 from astrai.infer.layouts import LAYOUTS
 from astrai.infer.quant import BUILDERS, int8_matrix
@@ -41,17 +43,24 @@ def products_here(
     dtype: torch.dtype, shape: tuple[int, int] | None = None, device: str | torch.device = "cpu"
 ) -> dict[str, str | None]:
     """Every product of matrices of `dtype` on `device`: the layouts of LAYOUTS for a float
-    dtype, the 8-bit products of quant.BUILDERS for torch.int8. Each maps to None where it runs
+    dtype, the 8-bit products of quant.BUILDERS for torch.int8, the 4-bit ones of
+    int4.BUILDERS for torch.int4. Each maps to None where it runs
     here, else to the reason it does not. With `shape` ([out, in]) the kernels' limits on shapes
     count too; without it, None means that it runs for some shapes."""
     device = torch.device(device)
     return {
         name: _shape_refused(dtype, name, shape, device) or _machine_refuses(dtype, name, device)
-        for name in (BUILDERS if dtype == torch.int8 else LAYOUTS)
+        for name in _names(dtype)
     }
 
 
+def _names(dtype: torch.dtype):
+    return {torch.int8: BUILDERS, torch.int4: int4.BUILDERS}.get(dtype, LAYOUTS)
+
+
 def _shape_refused(dtype, name: str, shape, device: torch.device) -> str | None:
+    if dtype == torch.int4 and shape is not None and not int4.groups_for(shape[1]):
+        return f"in_features {shape[1]} is a multiple of no group size {int4.GROUPS}"
     multiple = IN_FEATURES_MULTIPLE.get((dtype, name))
     if device.type != "cpu" or multiple is None or shape is None or shape[1] % multiple == 0:
         return None
@@ -68,8 +77,13 @@ def _machine_refuses(dtype, name: str, device: torch.device) -> str | None:
 
 
 def prepared_matrix(w: torch.Tensor, dtype: torch.dtype, name: str):
-    """w [out, in] (float) as a weight for `project` in product `name` of `dtype` matrices."""
-    return int8_matrix(w, name) if dtype == torch.int8 else LAYOUTS[name](w.to(dtype))
+    """w [out, in] (float) as a weight for `project` in product `name` of `dtype` matrices (4
+    bits: in the smallest group size that divides in_features)."""
+    if dtype == torch.int8:
+        return int8_matrix(w, name)
+    if dtype == torch.int4:
+        return int4.int4_matrix(w, name, int4.groups_for(w.shape[1])[0])
+    return LAYOUTS[name](w.to(dtype))
 
 
 @functools.cache
@@ -79,7 +93,8 @@ def _probe(dtype, name: str, device: str) -> str | None:
     w = torch.randn(PROBE_SHAPE, generator=g).to(device)
     x = torch.randn(3, PROBE_SHAPE[1], generator=g).to(device)
     try:
-        project(x if dtype == torch.int8 else x.to(dtype), prepared_matrix(w, dtype, name))
+        quantized = dtype in (torch.int8, torch.int4)
+        project(x if quantized else x.to(dtype), prepared_matrix(w, dtype, name))
     except RuntimeError as exc:  # torch's own errors for a kernel it lacks
         return f"raises here: {str(exc).splitlines()[0]}"
     return None

@@ -93,21 +93,28 @@ def test_rotary_permutation_turns_half_split_rotation_into_adjacent_pairs():
     assert torch.allclose(theirs, rotary_permute(mine, heads), atol=1e-12)
 
 
-@pytest.mark.parametrize("type", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("type", ["f16", "bf16", "q8_0", "q4_0"])
 def test_smaller_types_round_within_their_precision(tmp_path, tokenizer, type):
     params = ai.init_params(CFG, seed=2)
     save_gguf(tmp_path / "m.gguf", params, CFG, tokenizer, type=type)
     _, tensors = read(tmp_path / "m.gguf")
     # f16/bf16: half an ulp of the value (f16's subnormals below 2^-14: half of 2^-24);
     # q8_0: half a step of 1/127 of the 32-wide block's largest magnitude, plus the rounding of
-    # that step to f16 multiplied by up to 127 steps
-    rel = {"f16": 2.0**-11, "bf16": 2.0**-8, "q8_0": (0.5 + 127 * 2.0**-11) / 127}[type]
+    # that step to f16 multiplied by up to 127 steps; q4_0: the step is 1/8 of the block's
+    # largest magnitude, its 16 levels from -8 to 7 steps leave a whole step at the other
+    # end of the block, plus the step's f16 rounding multiplied by up to 8 steps
+    rel = {
+        "f16": 2.0**-11,
+        "bf16": 2.0**-8,
+        "q8_0": (0.5 + 127 * 2.0**-11) / 127,
+        "q4_0": (1 + 8 * 2.0**-11) / 8,
+    }[type]
     floor = 2.0**-25 if type == "f16" else 0.0
     w = params["model.layers.0.mlp.up_proj.weight"]
     t = tensors["blk.0.ffn_up.weight"]
     assert t.tensor_type.name == type.upper()
     got = as_torch(t)
-    if type == "q8_0":
+    if type in ("q8_0", "q4_0"):
         bound = w.abs().view(w.shape[0], -1, 32).amax(-1, keepdim=True) * rel * 1.01
         assert ((got - w).abs().view_as(bound.expand(-1, -1, 32)) <= bound).all()
     else:

@@ -30,7 +30,12 @@ def one_thread():
 def fresh_choices():
     """What runs here and which product is fastest, found again inside the test and forgotten
     after it: both are cached for the process, and the test changes what they read."""
-    caches = [support._probe, prepare._fastest_layout, prepare._fastest_int8]
+    caches = [
+        support._probe,
+        prepare._fastest_layout,
+        prepare._fastest_int8,
+        prepare._fastest_int4,
+    ]
     for cache in caches:
         cache.cache_clear()
     yield

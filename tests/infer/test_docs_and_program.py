@@ -83,13 +83,14 @@ def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
     assert all(r["finish_reason"] in ("stop", "length") for r in results)
     assert "3/3 prompts" in capsys.readouterr().err
 
-    # 8-bit weights in the dtype the hardware suits: the same kind of output
-    flags = ["--max-tokens", "5", "--temperature", "0", "--quantize", "int8", "--dtype", "auto"]
-    assert run_program(monkeypatch, *args, *flags) == 0
-    quantized = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["index"] for r in quantized] == [0, 1, 2]
-    assert all(r["finish_reason"] in ("stop", "length") for r in quantized)
-    capsys.readouterr()
+    # 8- and 4-bit weights in the dtype the hardware suits: the same kind of output
+    for bits in ("int8", "int4"):
+        flags = ["--max-tokens", "5", "--temperature", "0", "--quantize", bits, "--dtype", "auto"]
+        assert run_program(monkeypatch, *args, *flags) == 0
+        quantized = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [r["index"] for r in quantized] == [0, 1, 2]
+        assert all(r["finish_reason"] in ("stop", "length") for r in quantized)
+        capsys.readouterr()
 
     prompts.write_text('{"prompt": "x"}\n{"promt": "y"}\n')
     assert run_program(monkeypatch, *args) == 1

@@ -102,7 +102,7 @@ def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
     # per layer: q, k and v fused, o, gate and up fused, down
     assert sum(kernels_used(prepared).values()) == 2 * 4 + 1
     with pytest.raises(ValueError, match="quantize"):
-        prepare_params(params, quantize="int4")
+        prepare_params(params, quantize="int2")
 
 
 def one_row_at_a_time(m: Int8Matrix) -> Int8Matrix:

@@ -17,7 +17,7 @@ from astrai.infer.hardware import cpu_flags
 from astrai.infer.support import prepared_matrix, products_here
 from astrai.model.layers import project
 
-DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.int4]
 # [out, in]: one row or one column, odd sizes, sizes no vector width divides, a wide head
 SHAPES = [(1, 1), (1, 64), (7, 1), (3, 5), (17, 33), (48, 80), (64, 24), (96, 200), (1000, 64)]
 # an AVX2-only x86 CPU's flags (AMD Zen 3; /proc/cpuinfo's names): no AVX-512, no AVX-NE-CONVERT
@@ -28,10 +28,10 @@ AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_product_offered_runs(dtype, shape):
     offered = [name for name, reason in products_here(dtype, shape).items() if reason is None]
-    assert offered or dtype == torch.int8  # a float matrix can always stay as it is
+    assert offered or dtype in (torch.int8, torch.int4)  # a float matrix can stay as it is
     g = torch.Generator().manual_seed(0)
     w = torch.randn(shape, generator=g)
-    activation = torch.float32 if dtype == torch.int8 else dtype
+    activation = torch.float32 if dtype in (torch.int8, torch.int4) else dtype
     for name in offered:
         weight = prepared_matrix(w, dtype, name)
         for rows in [(1,), (5,), (2, 3)]:

@@ -80,7 +80,9 @@ def threads_after_a_request(
         process.wait(timeout=30)
 
 
-@pytest.mark.parametrize("flags", [[], ["--quantize", "int8", "--dtype", "auto"]])
+@pytest.mark.parametrize(
+    "flags", [[], ["--quantize", "int8", "--dtype", "auto"], ["--quantize", "int4"]]
+)
 def test_only_the_engine_thread_has_an_openmp_team(model, flags):
     names = {n: threads_after_a_request(model, n, flags) for n in (1, 2)}
     assert names[1].count(THREAD_NAME) == 1, names  # no team: the engine thread alone

@@ -1,0 +1,124 @@
+"""4-bit weights for inference: each row cut into groups of GROUPS[i] consecutive inputs, each
+group with its own scale and zero point (16 levels spread over the group's own range), and one
+product of torch's own:
+
+- "weight_only": `torch.ops.aten._weight_int4pack_mm_for_cpu`, activations in bfloat16, the
+  4-bit weights dequantized inside the kernel (its float32-activation path is ~50x slower).
+
+Which group size multiplies fastest depends on the CPU and the shape, so prepare_params times
+each that divides the shape (and each product that runs here, astrai/infer/support.py) at load
+and keeps the fastest. docs/inference.md says why no other product is offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from astrai.model.layers import cast
+
+KERNELS = ("weight_only",)
+GROUPS = (32, 64, 128)  # the group sizes measured; the kernel takes these (and 256)
+LEVELS = 16
+MIDDLE = 8  # the kernel's weight is (q - MIDDLE) * scale + zero, q in [0, LEVELS)
+# a scale at least this fraction of its group's middle value, so that the zero point's bf16
+# rounding (at most 2**-9 of it) moves the 16 levels by at most a quarter of a step
+OFFSET_FRACTION = 2.0**-7
+ROW_BLOCK = 16  # the kernel's packing takes a multiple of 16 output rows
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Matrix:
+    """W [out, in] ~= (q - 8) * scale + zero per group of `group` inputs; `linear(x)` is x @ W.T
+    in x's dtype."""
+
+    packed: torch.Tensor  # the kernel's packing of q (uint8, two weights a byte)
+    scale: torch.Tensor  # float32 [out, in // group], each a bfloat16 value
+    zero: torch.Tensor  # float32 [out, in // group], each a bfloat16 value
+    group: int
+    kernel: str  # one of KERNELS
+    run: Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out], the chosen product
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.scale.shape[0], self.scale.shape[1] * self.group))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(self.run(x), x.dtype)
+
+
+def _round_up_bf16(v: torch.Tensor) -> torch.Tensor:
+    """The float32 values as bfloat16 values no smaller than them (v >= 0)."""
+    return (v * (1 + 2.0**-8)).to(torch.bfloat16).float()
+
+
+def quantize_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric 4 bits per group of `group` inputs: (q uint8 [out, in] in [0, 16), scale and
+    zero float32 [out, in // group]) with W ~= (q - 8) * scale + zero. scale and zero are
+    bfloat16 values (the kernel reads them so), and every weight is within half a step (its
+    group's scale / 2) of its level."""
+    out_features, in_features = w.shape
+    if in_features % group:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group {group}")
+    g = w.float().view(out_features, in_features // group, group)
+    low, high = g.amin(-1), g.amax(-1)
+    middle = (low + high) / 2
+    spread = torch.maximum((high - low) / (LEVELS - 1), middle.abs() * OFFSET_FRACTION)
+    scale = _round_up_bf16(spread.clamp_min(torch.finfo(torch.bfloat16).tiny))
+    # levels centred on the group's middle: zero - scale / 2 is the centre of the 16
+    zero = (middle + scale / 2).to(torch.bfloat16).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None]) + MIDDLE
+    q = q.clamp_(0, LEVELS - 1).to(torch.uint8).view(out_features, in_features)
+    return q, scale, zero
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 [out, in] matrix the 4-bit values stand for."""
+    out_features, in_features = q.shape
+    groups = scale.shape[1]
+    levels = q.float().view(out_features, groups, in_features // groups) - MIDDLE
+    return (levels * scale[..., None] + zero[..., None]).view(out_features, in_features)
+
+
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > len(t) else t
+
+
+def _weight_only(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
+    out_features = q.shape[0]
+    # the kernel packs outputs in blocks of ROW_BLOCK: zero rows fill the last, and are cut
+    rows = -(-out_features // ROW_BLOCK) * ROW_BLOCK
+    q, scale, zero = (_padded_rows(t, rows) for t in (q, scale, zero))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    # [in // group, out, 2]: the kernel's layout of the scales and zero points
+    scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # the kernel takes two dimensions only
+        flat = x.to(torch.bfloat16).flatten(0, -2)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales_zeros)
+        if rows != out_features:
+            y = y[:, :out_features]
+        return y.reshape(*x.shape[:-1], out_features)
+
+    return packed, run
+
+
+BUILDERS = {"weight_only": _weight_only}
+
+
+def int4_matrix(w: torch.Tensor, kernel: str, group: int) -> Int4Matrix:
+    """w [out, in] in 4 bits, groups of `group` inputs, multiplied by `kernel`'s product."""
+    if kernel not in BUILDERS:
+        raise ValueError(f"unknown int4 kernel {kernel!r}; one of {', '.join(KERNELS)}")
+    if group not in GROUPS:
+        raise ValueError(f"int4 group must be one of {GROUPS}, got {group}")
+    q, scale, zero = quantize_groups(w, group)
+    packed, run = BUILDERS[kernel](q, scale, zero, group)
+    return Int4Matrix(packed, scale, zero, group, kernel, run)
+
+
+def groups_for(in_features: int) -> list[int]:
+    """The group sizes of GROUPS that divide in_features."""
+    return [group for group in GROUPS if in_features % group == 0]

@@ -1,0 +1,173 @@
+"""4-bit weights: the rounding to levels, each product that runs here at each group size against
+the float one within a worst-case bound of its rounding, the Engine against recomputation with
+the same weights, the error where none runs, and the quality of a trained model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from infer_models import BASE, greedy_reference, make_model
+from test_int8 import markov_text, perplexity, trained  # noqa: F401 (a fixture)
+
+import astrai as ai
+from astrai.infer import Engine, Int4Matrix, kernels_used, prepare, prepare_params
+from astrai.infer.int4 import (
+    BUILDERS,
+    GROUPS,
+    KERNELS,
+    dequantize,
+    int4_matrix,
+    quantize_groups,
+)
+from astrai.infer.support import products_here
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+BF16_UNIT = torch.finfo(torch.bfloat16).eps / 2  # a bf16 rounding's largest relative error
+PRODUCTS = [(kernel, group) for kernel in KERNELS for group in GROUPS]
+
+
+def skip_unless_here(kernel: str, shape=None) -> None:
+    if reason := products_here(torch.int4, shape)[kernel]:
+        pytest.skip(f"the {kernel} int4 product: {reason}")
+
+
+def steps(scale: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Each weight's step: its group's scale, [out, in]."""
+    return scale.repeat_interleave(in_features // scale.shape[1], dim=1)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize(
+    "make",
+    [
+        torch.randn,
+        lambda *shape: torch.rand(*shape) + 1000.0,  # far from zero: the zero point's rounding
+        lambda *shape: torch.zeros(*shape),
+        lambda *shape: torch.full(shape, -3.7),
+    ],
+    ids=["signed", "offset", "zeros", "constant"],
+)
+def test_groups_round_to_the_nearest_level(group, make):
+    torch.manual_seed(0)
+    w = make(40, 2 * group)
+    q, scale, zero = quantize_groups(w, group)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (40, 2)
+    for t in (scale, zero):  # the kernel reads them in bfloat16: they are bfloat16 values
+        assert torch.equal(t, t.to(torch.bfloat16).float())
+    err = (dequantize(q, scale, zero) - w).abs()
+    assert bool((err <= steps(scale, w.shape[1]) / 2 * (1 + 1e-5)).all())
+
+
+def test_a_signed_group_uses_its_levels():
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    q, _, _ = quantize_groups(w, 32)
+    per_group = q.view(64, 4, 32)
+    # the group's extremes sit at most one level inside the ends (the scale rounds up)
+    assert int(per_group.amin(-1).max()) <= 1 and int(per_group.amax(-1).min()) >= 14
+
+
+def test_a_width_no_group_divides_is_refused():
+    with pytest.raises(ValueError, match="in_features 40 is not a multiple of the group 32"):
+        quantize_groups(torch.randn(8, 40), 32)
+    with pytest.raises(ValueError, match="group must be one of"):
+        int4_matrix(torch.randn(8, 48), "weight_only", 48)
+    with pytest.raises(ValueError, match="unknown int4 kernel"):
+        int4_matrix(torch.randn(8, 64), "fast", 32)
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """The worst case of |int4_matrix(w, kernel, group).linear(x) - x @ w.T|, per output. Each
+    4-bit weight is within half its group's step of w; the activations are rounded to bf16; the
+    kernel dequantizes each weight ((q - 8) * scale + zero: two float32 roundings), sums in
+    float32 (at most one rounding per term) and rounds the sum to bf16."""
+    q, scale, zero = quantize_groups(w, group)
+    weights = dequantize(q, scale, zero).abs()
+    activation = BF16_UNIT * x.abs()
+    rounding = (1 + BF16_UNIT) * (1 + (w.shape[1] + 2) * FLOAT32_EPS) - 1
+    return (
+        x.abs() @ (steps(scale, w.shape[1]) / 2).T
+        + activation @ weights.T
+        + rounding * ((x.abs() + activation) @ weights.T)
+    )
+
+
+VALUES = {"signed": torch.randn, "aligned": torch.rand}
+
+
+def operands(values: str, rows: int, out_features: int = 40, in_features: int = 256):
+    g = torch.Generator().manual_seed(0)
+    make = VALUES[values]
+    return make(rows, 3, in_features, generator=g), make(out_features, in_features, generator=g)
+
+
+@pytest.mark.parametrize("kernel,group", PRODUCTS)
+@pytest.mark.parametrize("values", list(VALUES))
+@pytest.mark.parametrize("rows", [1, 5])
+def test_each_product_is_within_its_worst_case_error(kernel, group, values, rows):
+    skip_unless_here(kernel, (40, 256))
+    x, w = operands(values, rows)
+    y = int4_matrix(w, kernel, group).linear(x)
+    assert y.shape == (rows, 3, 40) and y.dtype == x.dtype
+    assert bool(((y - x @ w.T).abs() <= error_bound(x, w, group)).all())
+
+
+@pytest.mark.parametrize("kernel,group", PRODUCTS)
+@pytest.mark.parametrize("factor", [0.9, 1.1, 1.25])
+def test_groups_off_by_ten_percent_are_outside_the_bound(kernel, group, factor):
+    # the bound above is tight enough to catch a product that scales its groups wrongly
+    skip_unless_here(kernel, (40, 256))
+    x, w = operands("aligned", 5)
+    q, scale, zero = quantize_groups(w, group)
+    _, run = BUILDERS[kernel](q, scale * factor, zero * factor, group)
+    wrong = Int4Matrix(None, scale * factor, zero * factor, group, kernel, run)
+    assert bool(((wrong.linear(x) - x @ w.T).abs() > error_bound(x, w, group)).any())
+
+
+def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
+    skip_unless_here("weight_only")
+    params, _ = make_model("gqa")
+    prepared = prepare_params(params, quantize="int4")
+    assert isinstance(prepared["lm_head.weight"], Int4Matrix)  # tied: a copy of its own
+    assert prepared["lm_head.weight"].shape == params["model.embed_tokens.weight"].shape
+    assert isinstance(prepared["model.layers.0.self_attn.qkv_proj.weight"], Int4Matrix)
+    assert prepared["model.embed_tokens.weight"] is params["model.embed_tokens.weight"]
+    assert prepared["model.norm.weight"] is params["model.norm.weight"]
+    assert sum(kernels_used(prepared).values()) == 2 * 4 + 1
+    assert all(name.startswith("int4 ") for name in kernels_used(prepared))
+
+
+@pytest.mark.parametrize("kernel,group", [(k, g) for k, g in PRODUCTS if g <= BASE["hidden_size"]])
+@pytest.mark.parametrize("kind", ["gqa", "gqa_variants"])  # MLA's 16-wide matrices take none
+def test_engine_matches_recomputation_with_the_same_4_bit_weights(kind, kernel, group, monkeypatch):
+    # the tests' models are 32 wide: the only group size that divides them is 32
+    skip_unless_here(kernel)
+    monkeypatch.setattr(prepare, "fastest_int4", lambda *shape: (kernel, group))
+    params, cfg = make_model(kind)
+    reference = prepare_params(params, quantize="int4")
+    assert set(kernels_used(reference)) == {f"int4 {kernel}/{group}"}
+    prompts = [[5, 17, 42, 8], [100, 3, 250, 77, 9, 11]]
+    with Engine(params, cfg, None, quantize="int4", page_size=4, max_batch=4) as e:
+        outs = e.generate(prompts, max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_reference(reference, cfg, prompt, 12)
+
+
+def test_no_4_bit_product_here_is_an_error_naming_each_and_why(fresh_choices):
+    cfg = ai.ModelConfig(**(BASE | {"hidden_size": 24, "intermediate_size": 48}))
+    params = ai.init_params(cfg, seed=0)
+    with pytest.raises(ValueError, match=r"no int4 product .*\(weight_only: in_features 24 is"):
+        Engine(params, cfg, None, quantize="int4")
+
+
+def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_4_bits(trained):  # noqa: F811
+    skip_unless_here("weight_only")
+    params, cfg = trained
+    held_out = markov_text(32, 33, seed=10_000)
+    full = perplexity(params, cfg, held_out)
+    assert full < 6  # it learnt the chain (2.6 at best, 64 knowing nothing)
+    int4 = prepare_params(params, quantize="int4")
+    assert abs(perplexity(int4, cfg, held_out) - full) / full < 0.03
+    with torch.inference_mode():
+        a = ai.forward(params, cfg, held_out).argmax(-1)
+        b = ai.forward(int4, cfg, held_out).argmax(-1)
+    assert float((a == b).float().mean()) >= 0.95
