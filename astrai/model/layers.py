@@ -82,13 +82,16 @@ def fused_linear(
     if f"{prefix}.{fused}.weight" not in params:
         return tuple(linear(params, f"{prefix}.{part}", x, lora) for part in FUSED[fused])
     y = linear(params, f"{prefix}.{fused}", x)
+    # an adapter stack laid out for fused weights updates the fused product at once
+    whole = None if lora is None else lora_delta(x, lora, f"{prefix}.{fused}.weight")
+    y = y if whole is None else y + whole
     if widths is None:
         parts = y.chunk(len(FUSED[fused]), dim=-1)
     else:  # split_with_sizes: Tensor.split with a list is a Python wrapper, ~2.5x its cost
         parts = y.split_with_sizes([y.shape[-1] - sum(widths[1:]), *widths[1:]], dim=-1)
-    if lora is None:
+    if lora is None or whole is not None:
         return parts
-    # Adapters stay per part: each part's update is added to its slice of the fused product.
+    # Other adapters stay per part: each part's update is added to its slice of the product.
     deltas = [lora_delta(x, lora, f"{prefix}.{part}.weight") for part in FUSED[fused]]
     return tuple(p if d is None else p + d for p, d in zip(parts, deltas, strict=True))
 

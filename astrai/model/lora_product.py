@@ -22,8 +22,7 @@ def mixed_lora(stack: dict, slots: torch.Tensor) -> dict:
     """The `lora` argument for a batch whose row b uses the adapter in slot `slots[b]` (-1: no
     adapter; see adapter_slots): {"stack": stack, "mask": [B, 1, slots * rank]}, the mask
     holding each row's scale over its own adapter's columns and zeros elsewhere."""
-    count = stack["scale"].shape[0]
-    rank = next(iter(stack["A"].values())).shape[0] // count
+    count, rank = stack["scale"].shape[0], stack["rank"]
     if slots.dim() != 1:
         raise ValueError(f"slots must be one index per row, got shape {tuple(slots.shape)}")
     if bool((slots >= count).any()) or bool((slots < -1).any()):
@@ -37,12 +36,20 @@ def mixed_lora(stack: dict, slots: torch.Tensor) -> dict:
 
 def mixed_delta(x: torch.Tensor, lora: dict, key: str) -> torch.Tensor | None:
     """Each row's update of weight `key` for x [B, T, in] (or [B * T, in], rows batch-major)
-    in x's dtype, or None when the stack does not adapt `key`."""
-    a = lora["stack"]["A"].get(key)
+    in x's dtype, or None when the stack does not adapt `key`. A fused stack's matrix holds
+    several parts' columns, one block of slots * rank per part, each masked alike."""
+    stack = lora["stack"]
+    a = stack["A"].get(key)
     if a is None:
+        if key in stack["where"]:
+            raise ValueError(
+                f"the adapter stack holds {key} fused with its siblings: use it with prepared "
+                "(fused) weights, or make the stack with fused=False"
+            )
         return None
-    b, mask = lora["stack"]["B"][key], lora["mask"]
+    b, mask = stack["B"][key], lora["mask"]
     h = F.linear(x if x.dtype == a.dtype else x.to(a.dtype), a)
-    h = (h.view(mask.shape[0], -1, h.shape[-1]) * mask).view(h.shape)
+    parts = h.shape[-1] // mask.shape[-1]
+    h = (h.view(mask.shape[0], -1, parts, mask.shape[-1]) * mask[:, :, None]).view(h.shape)
     y = F.linear(h, b)
     return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -13,7 +13,8 @@ product every row shares:
 - segmented: rows grouped by adapter, two products per group (S-LoRA's segmented GEMM).
 
 And for q/k/v held as one matrix (astrai.infer.prepare): `parts` adds each part's update to its
-slice (ours), `blockdiag` one update with the parts' A stacked and their B block-diagonal.
+slice (ours), `shared_a` multiplies by the parts' A stacked as one matrix and then by each
+part's B, `blockdiag` one update with the parts' A stacked and their B block-diagonal.
 The rounds alternate the order of the ways; the table gives each one's best pass, as a ratio
 to the base product alone measured in the same rounds.
 """
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 SLOTS, RANK, IN, OUT, MATRICES = 8, 16, 512, 1408, 16
 WAYS = ("base", "stacked", "gathered", "segmented")
-FUSED_WAYS = ("fused_base", "parts", "blockdiag")
+FUSED_WAYS = ("fused_base", "parts", "shared_a", "blockdiag")
 
 
 def _stack(dtype: torch.dtype, out: int, g: torch.Generator) -> dict:
@@ -80,6 +81,11 @@ def _fused_pass(way: str, x, mats, binding) -> None:
         if way == "parts":
             q, k, v = y.split_with_sizes([IN, IN // 4, IN // 4], dim=-1)
             _ = [p + _stacked(x, part, binding["mask"]) for p, part in zip((q, k, v), m["parts"])]
+        elif way == "shared_a":  # the parts' A as one matrix: one product, then each B
+            q, k, v = y.split_with_sizes([IN, IN // 4, IN // 4], dim=-1)
+            h = F.linear(x, m["parts_a"]) * binding["mask_parts"]
+            hs = h.split(SLOTS * RANK, dim=-1)
+            _ = [p + F.linear(hp, part["B"]) for p, hp, part in zip((q, k, v), hs, m["parts"])]
         elif way == "blockdiag":
             y = y + _stacked(x, m["block"], binding["mask3"])
 
@@ -95,6 +101,7 @@ def _binding(rows: int, dtype: torch.dtype) -> dict:
         "scale": scale,
         "mask": own.repeat_interleave(RANK, dim=1),
         "mask3": own.repeat_interleave(3 * RANK, dim=1),
+        "mask_parts": own.repeat_interleave(RANK, dim=1).repeat(1, 3),
         "groups": groups,
     }
 
@@ -113,7 +120,8 @@ def _fused_matrices(dtype, g) -> list:
             row += w
         a = torch.stack([p["A"].view(SLOTS, RANK, IN) for p in parts], 1).view(-1, IN)
         w = torch.cat([p["W"] for p in parts])
-        mats.append({"W": w, "parts": parts, "block": {"A": a, "B": block_b}})
+        parts_a = torch.cat([p["A"] for p in parts])  # part-major: each part's slots together
+        mats.append({"W": w, "parts": parts, "parts_a": parts_a, "block": {"A": a, "B": block_b}})
     return mats
 
 

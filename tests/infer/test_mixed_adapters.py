@@ -53,10 +53,10 @@ def three_adapters(params, cfg, size=0.1):
     }
 
 
-def stacked(cfg, adapters, dtype=torch.float32, slots=4):
+def stacked(cfg, adapters, dtype=torch.float32, slots=4, fused=False):
     every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     every += ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-    stack = init_adapter_stack(cfg, slots, RANK, every, dtype)
+    stack = init_adapter_stack(cfg, slots, RANK, every, dtype, fused=fused)
     for name, lora in adapters.items():
         stack = stack_adapter(stack, name, lora)
     return stack
@@ -125,20 +125,29 @@ def test_each_row_gives_its_merged_model_in_bf16():
     assert_close(mixed.float(), expected, bf16_roundings(cfg))
 
 
+@pytest.mark.parametrize("fused_stack", [False, True])
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_fused_weights_take_the_adapters_of_their_parts(kind):
+def test_fused_weights_take_the_adapters_of_their_parts(kind, fused_stack):
     params, cfg = make_model(kind)
     adapters = three_adapters(params, cfg)
-    stack = stacked(cfg, adapters)
     tokens = tokens_for(cfg, 6)
-    slots = adapter_slots(stack, ROWS)
+    slots = adapter_slots(stacked(cfg, adapters), ROWS)
     with torch.no_grad():
-        fused = ai.forward(prepare_params(params), cfg, tokens, lora=mixed_lora(stack, slots))
+        expected = ai.forward(params, cfg, tokens, lora=mixed_lora(stacked(cfg, adapters), slots))
+        lora = mixed_lora(stacked(cfg, adapters, fused=fused_stack), slots)
+        fused = ai.forward(prepare_params(params), cfg, tokens, lora=lora)
         one = ai.forward(prepare_params(params), cfg, tokens[:1], lora=adapters["a"])
-        expected = ai.forward(params, cfg, tokens, lora=mixed_lora(stack, slots))
     # the same numbers in other layouts and fused products: another summation order
     assert_close(fused, expected, forward_roundings(cfg, 6) + RANK)
     assert_close(one[0], expected[0], forward_roundings(cfg, 6) + RANK)
+
+
+def test_a_fused_stack_over_unfused_weights_is_an_error():
+    params, cfg = make_model("gqa")
+    stack = stacked(cfg, three_adapters(params, cfg), fused=True)
+    lora = mixed_lora(stack, adapter_slots(stack, ROWS))
+    with pytest.raises(ValueError, match=r"holds .*q_proj\.weight fused"):
+        ai.forward(params, cfg, tokens_for(cfg, 3), lora=lora)
 
 
 @pytest.mark.skipif(
@@ -148,7 +157,7 @@ def test_fused_weights_take_the_adapters_of_their_parts(kind):
 def test_8_bit_base_weights_add_each_rows_update_in_the_activations_dtype():
     params, cfg = make_model("gqa")
     adapters = three_adapters(params, cfg, size=0.5)  # updates that dwarf bf16's roundings
-    stack = stacked(cfg, adapters)
+    stack = stacked(cfg, adapters, fused=True)
     int8 = prepare_params(params, quantize="int8")
     tokens = tokens_for(cfg, 6)
     with torch.no_grad():
@@ -203,13 +212,14 @@ def test_the_stack_refuses_what_does_not_fit_by_name():
         unstack_adapter(stack, "c")
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("fused", [False, True])
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.sampled_from("abcde")), max_size=14))
-def test_slots_hold_what_was_loaded_whatever_the_order(operations):
+def test_slots_hold_what_was_loaded_whatever_the_order(fused, operations):
     params, cfg = make_model("gqa")
-    pool = {name: adapter(params, cfg, 1 + i % RANK, ("q_proj", "down_proj"), 2.0 + i, i)
+    pool = {name: adapter(params, cfg, 1 + i % RANK, ("q_proj", "v_proj"), 2.0 + i, i)
             for i, name in enumerate("abcde")}  # fmt: skip
-    stack = init_adapter_stack(cfg, 3, RANK, ("q_proj", "down_proj"))
+    stack = init_adapter_stack(cfg, 3, RANK, ("q_proj", "v_proj"), fused=fused)
     for load, name in operations:
         if load and name not in stack["names"] and free_slots(stack):
             stack = stack_adapter(stack, name, pool[name])
@@ -219,12 +229,20 @@ def test_slots_hold_what_was_loaded_whatever_the_order(operations):
     assert len(set(slots)) == len(slots) and set(slots).isdisjoint(free_slots(stack))
     names = [*stack["names"], None]
     x = torch.randn(len(names), 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    key = "model.layers.1.self_attn.q_proj.weight"
-    mixed = lora_delta(x, mixed_lora(stack, adapter_slots(stack, names)), key)
-    for i, name in enumerate(names):
-        if name is None:  # the base model alone: exact zeros
-            assert torch.equal(mixed[i], torch.zeros_like(mixed[i]))
-        else:
-            alone = lora_delta(x[i : i + 1], pool[name], key)[0]
-            scale = alone.abs().max().item()
-            torch.testing.assert_close(mixed[i], alone, **tolerance(2 * RANK, scale=scale))
+    prefix = "model.layers.1.self_attn"
+    bound = mixed_lora(stack, adapter_slots(stack, names))
+    if fused:  # q, k (no adapter: zeros) and v side by side
+        mixed = lora_delta(x, bound, f"{prefix}.qkv_proj.weight")
+        mixed = dict(zip(("q", "k", "v"), mixed.split([cfg.hidden_size, 16, 16], dim=-1)))
+        assert torch.equal(mixed["k"], torch.zeros_like(mixed["k"]))
+    else:
+        mixed = {p: lora_delta(x, bound, f"{prefix}.{p}_proj.weight") for p in ("q", "v")}
+    for part in ("q", "v"):
+        for i, name in enumerate(names):
+            row = mixed[part][i]
+            if name is None:  # the base model alone: exact zeros
+                assert torch.equal(row, torch.zeros_like(row))
+            else:
+                alone = lora_delta(x[i : i + 1], pool[name], f"{prefix}.{part}_proj.weight")[0]
+                scale = alone.abs().max().item()
+                torch.testing.assert_close(row, alone, **tolerance(2 * RANK, scale=scale))
