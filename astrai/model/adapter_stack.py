@@ -14,9 +14,9 @@ matrix products (astrai.model.lora_product), whatever adapters its rows use. Wit
 the stack matches prepared weights (astrai.infer.prepare fuses q/k/v into `qkv_proj` and
 gate/up into `gate_up_proj`): the parts' A stacked part after part, `[parts * slots * rank,
 in]`, and their B block-diagonal, `[sum of outs, parts * slots * rank]`, so a fused product
-takes its update in two products too (faster than one update per part at decode in bfloat16,
-slower in float32 and on prompt chunks: docs/serving.md). `where` says where each weight's
-adapters live.
+takes its update in two products too (the products alone measured faster so in bfloat16, but
+whole decode steps no faster than with one update per part: docs/serving.md). `where` says
+where each weight's adapters live.
 
 An adapter of a
 lower rank than the stack's is padded with zeros (its product is unchanged); a weight it does
