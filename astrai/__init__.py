@@ -37,8 +37,10 @@ from astrai.model import (
     init_cache,
     init_lora,
     init_params,
+    load_lora,
     load_pretrained,
     merge_lora,
+    save_lora,
     save_pretrained,
 )
 from astrai.tokenizer import Tokenizer
@@ -73,6 +75,7 @@ __all__ = [
     "init_pages",
     "init_params",
     "init_train_state",
+    "load_lora",
     "load_pretrained",
     "loss_fn",
     "merge_lora",
@@ -80,6 +83,7 @@ __all__ = [
     "prepare_params",
     "run_requests",
     "sample",
+    "save_lora",
     "save_pretrained",
     "share_pages",
     "train",

@@ -2,11 +2,13 @@
 
     python programs/eval.py eval.toml [--model DIR] [--out results.json]
     python programs/eval.py --model DIR --data FILE.jsonl [--kind KIND] [--score numeric]
+    python programs/eval.py ... --model BASE --lora ADAPTER   (one LoRA adapter over BASE)
 
 With --data, the task's kind comes from the first record unless --kind says it: "text" is
 perplexity, "choices" is multiple choice, "prompt" or "messages" with an "answer" is
 generation. Results are printed as a table and written as JSON (default: eval.json in the model
-folder), with the model, each data file's checksum, the settings and the time taken.
+folder, or the adapter's), with the model, each data file's checksum, the settings and the time
+taken. --lora reads a PEFT adapter folder or a `just train` run's (its adapter/).
 docs/evaluation.md describes the tasks.
 """
 
@@ -21,7 +23,8 @@ import msgspec
 
 from astrai.config import ConfigError, EvalConfig, eval_config, load_eval_config
 from astrai.eval import evaluate_tasks, format_table, model_of, read_records, write_results
-from astrai.model import load_pretrained
+from astrai.model import load_lora, load_pretrained, merge_lora
+from astrai.model.lora_folder import adapter_folder
 from astrai.tokenizer import Tokenizer
 
 
@@ -53,18 +56,29 @@ def parse_args(argv):
     )
     parser.add_argument("config", nargs="?", help="a TOML file with an [eval] table")
     parser.add_argument("--model", help="model folder (overrides [eval] model)")
+    parser.add_argument("--lora", help="a LoRA adapter folder (PEFT's, or a run's) over --model")
     parser.add_argument("--data", help="one JSONL file to evaluate, instead of a config")
     parser.add_argument("--kind", choices=("perplexity", "generation", "choice"))
     parser.add_argument("--score", default="exact", help="generation: exact, regex, numeric...")
     parser.add_argument("--limit", type=int, default=0, help="only the first N records")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--device", help="cpu, cuda, ... (overrides [eval] device)")
-    parser.add_argument("--out", type=Path, help="results JSON (default MODEL/eval.json)")
+    parser.add_argument(
+        "--out", type=Path, help="results JSON (default MODEL/eval.json, or ADAPTER/eval.json)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if (args.config is None) == (args.data is None):
         parser.error("give a config TOML or --data FILE.jsonl (one of them)")
     return args
+
+
+def with_adapter(params: dict, model_cfg, path: str) -> dict:
+    """The base params with the adapter at `path` merged in: one adapter for every request,
+    so merging once costs less than adding its update at each product."""
+    weight = next(iter(params.values()))
+    lora, _ = load_lora(path, model_cfg, dtype=weight.dtype, device=weight.device)
+    return merge_lora(params, lora)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,14 +92,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = msgspec.structs.replace(cfg, device=device)
         started = time.monotonic()
         params, model_cfg = load_pretrained(model_dir, device=device)
+        label, results_dir = str(model_dir), Path(model_dir)
+        if args.lora:
+            params, results_dir = (
+                with_adapter(params, model_cfg, args.lora),
+                adapter_folder(args.lora),
+            )
+            label = f"{model_dir} + {results_dir}"
         model = model_of(params, model_cfg, Tokenizer.from_pretrained(model_dir))
         results = evaluate_tasks(model, cfg, None if args.quiet else sys.stderr)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    out = args.out or Path(cfg.out or Path(model_dir) / "eval.json")
-    write_results(out, model_dir, results, time.monotonic() - started)
-    print(format_table(model_dir, results))
+    out = args.out or Path(cfg.out or results_dir / "eval.json")
+    write_results(out, label, results, time.monotonic() - started)
+    print(format_table(label, results))
     print(f"wrote {out}")
     return 0
 

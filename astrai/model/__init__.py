@@ -14,12 +14,14 @@ from astrai.model.forward import (
 from astrai.model.hf_config import model_config_from_json
 from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
+from astrai.model.lora_folder import AdapterError, load_lora, save_lora
 from astrai.model.params import DTYPES, canonical_order, init_params, param_shapes
 from astrai.model.rope import apply_rope, rope_tables
 
 __all__ = [
     "DTYPES",
     "IGNORE",
+    "AdapterError",
     "CheckpointError",
     "apply_rope",
     "canonical_order",
@@ -34,11 +36,13 @@ __all__ = [
     "init_params",
     "kv_shapes",
     "lm_head",
+    "load_lora",
     "load_pretrained",
     "merge_lora",
     "model_config_from_json",
     "param_shapes",
     "rope_tables",
+    "save_lora",
     "save_pretrained",
     "token_logps",
 ]

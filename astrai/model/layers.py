@@ -7,6 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from astrai.model.lora_product import mixed_delta
 from astrai.model.masked_attention import attend_by_products, attend_masked
 
 Params = dict[str, torch.Tensor]
@@ -47,9 +48,19 @@ def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
 def linear(params: Params, name: str, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for the weight `{name}.weight`, plus its LoRA update when there is one."""
     y = project(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
-    if lora is not None and (pair := lora["weights"].get(f"{name}.weight")) is not None:
-        y = y + lora["scale"] * F.linear(F.linear(x, pair["A"]), pair["B"])
-    return y
+    delta = None if lora is None else lora_delta(x, lora, f"{name}.weight")
+    return y if delta is None else y + delta
+
+
+def lora_delta(x: torch.Tensor, lora: dict, key: str) -> torch.Tensor | None:
+    """The LoRA update of weight `key` for x, or None where it has none. lora: one adapter
+    for every row ({"scale", "weights"}), or a stack bound to the batch's rows by
+    astrai.model.lora_product.mixed_lora (each row its own adapter)."""
+    if "stack" in lora:
+        return mixed_delta(x, lora, key)
+    if (pair := lora["weights"].get(key)) is None:
+        return None
+    return lora["scale"] * F.linear(F.linear(x, pair["A"]), pair["B"])
 
 
 # Projections that read the same input, which inference weights hold as one matrix
@@ -70,13 +81,19 @@ def fused_linear(
     (the rest of the fused output); equal parts when not given."""
     if f"{prefix}.{fused}.weight" not in params:
         return tuple(linear(params, f"{prefix}.{part}", x, lora) for part in FUSED[fused])
-    if lora is not None:
-        raise ValueError("LoRA adapters need unfused weights: merge them before prepare_params")
     y = linear(params, f"{prefix}.{fused}", x)
+    # an adapter stack laid out for fused weights updates the fused product at once
+    whole = None if lora is None else lora_delta(x, lora, f"{prefix}.{fused}.weight")
+    y = y if whole is None else y + whole
     if widths is None:
-        return y.chunk(len(FUSED[fused]), dim=-1)
-    # split_with_sizes: Tensor.split with a list is a Python wrapper, ~2.5x its cost
-    return y.split_with_sizes([y.shape[-1] - sum(widths[1:]), *widths[1:]], dim=-1)
+        parts = y.chunk(len(FUSED[fused]), dim=-1)
+    else:  # split_with_sizes: Tensor.split with a list is a Python wrapper, ~2.5x its cost
+        parts = y.split_with_sizes([y.shape[-1] - sum(widths[1:]), *widths[1:]], dim=-1)
+    if lora is None or whole is not None:
+        return parts
+    # Other adapters stay per part: each part's update is added to its slice of the product.
+    deltas = [lora_delta(x, lora, f"{prefix}.{part}.weight") for part in FUSED[fused]]
+    return tuple(p if d is None else p + d for p, d in zip(parts, deltas, strict=True))
 
 
 # The activations of gated MLPs, by the names of ModelConfig.hidden_act.

@@ -16,10 +16,11 @@ from typing import TextIO
 
 from astrai.config import TrainConfig
 from astrai.model import model_config_from_json
+from astrai.model.lora_folder import RUN_SUBFOLDER, AdapterError
 from astrai.train import grpo
 from astrai.train.batches import BatchSource, open_batches
 from astrai.train.distributed import DistInfo, barrier
-from astrai.train.model_folder import export_model
+from astrai.train.model_folder import export_adapter, export_model
 from astrai.train.run import Run, run_step, save_checkpoint, start_run
 from astrai.train.sharded import full_params, is_sharded
 from astrai.train.state import TrainState
@@ -58,8 +59,19 @@ def train(
         final = state._replace(params=full_params(state.params))
     if run.dist.is_main:
         export_model(final, run.run_dir / "model", train_cfg.tokenizer)
+        if final.lora is not None:
+            _export_adapter(final, run.run_dir / RUN_SUBFOLDER, log)
     barrier()
     return state
+
+
+def _export_adapter(state: TrainState, path: Path, log: TextIO) -> None:
+    """The adapter folder beside the merged model; a family whose files cannot hold our
+    adapters unmerged (see save_lora) keeps only the merged model, and the log says why."""
+    try:
+        export_adapter(state, path)
+    except AdapterError as exc:
+        print(f"no adapter folder written: {exc}", file=log)
 
 
 def _source(train_cfg: TrainConfig, batches: BatchSource | None, rounds: bool):

@@ -1,6 +1,6 @@
 """The model folders a run reads and writes: the tokenizer it reads text with (the `tokenizer`
 folder's, else `init_from`'s), and the trained model it leaves, a `save_pretrained` folder with
-the tokenizer files beside the weights."""
+the tokenizer files beside the weights, and with LoRA the adapter alone as a PEFT folder."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from astrai.config import TrainConfig
 from astrai.model import save_pretrained
+from astrai.model.lora_folder import save_lora
 from astrai.tokenizer import Tokenizer
 from astrai.train.state import TrainState, model_params
 
@@ -44,3 +45,11 @@ def export_model(state: TrainState, path: Path, tokenizer: str = "") -> None:
     tokenizer files of folder `tokenizer`."""
     save_pretrained(path, model_params(state), state.model_config)
     copy_tokenizer(tokenizer, path)
+
+
+def export_adapter(state: TrainState, path: Path) -> Path:
+    """The trained LoRA adapters alone, as a PEFT adapter folder (astrai.model.lora_folder):
+    what `load_lora`, PEFT and servers of many adapters over one base model read. The base
+    model is the run's `init_from`."""
+    base = state.train_config.init_from
+    return save_lora(path, state.lora, state.model_config, base_model=base)

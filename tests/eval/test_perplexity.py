@@ -52,6 +52,25 @@ def test_perplexity_equals_exp_of_the_mean_forward_loss(model_dir, tmp_path):
     assert result["checksum"].startswith("sha256:")
 
 
+def test_an_adapter_is_evaluated_as_its_merged_model(model_dir, tmp_path):
+    params, cfg = astrai.load_pretrained(model_dir)
+    lora = astrai.init_lora(params, cfg, rank=4, targets=("q_proj", "down_proj"))
+    for pair in lora["weights"].values():
+        pair["B"] = torch.randn(pair["B"].shape, generator=torch.Generator().manual_seed(0))
+    astrai.save_lora(tmp_path / "run" / "adapter", lora, cfg, str(model_dir))
+    tok = astrai.Tokenizer.from_pretrained(model_dir)
+    astrai.save_pretrained(tmp_path / "merged", astrai.merge_lora(params, lora), cfg, tok)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    run_eval("--model", str(model_dir), "--lora", str(tmp_path / "run"), "--data", str(data))
+    adapted = json.loads((tmp_path / "run" / "adapter" / "eval.json").read_text())
+    nll, count = reference_nll(tmp_path / "merged", TEXTS)
+    base_nll, _ = reference_nll(model_dir, TEXTS)
+    assert abs(nll - base_nll) / count > 1e-3  # the adapter moves the loss far past the rtol
+    assert adapted["model"] == f"{model_dir} + {tmp_path / 'run' / 'adapter'}"
+    loss = adapted["tasks"][0]["metrics"]["loss"]
+    assert loss == pytest.approx(nll / count, rel=64 * torch.finfo(torch.float32).eps)
+
+
 def test_bits_per_byte_by_hand(model_dir, tmp_path):
     # "héllo" is 5 characters but 6 bytes: bits per byte divides by bytes, not characters
     text = "héllo"

@@ -156,11 +156,15 @@ def test_prepared_params_give_the_same_logits(kind, dtype, layout, monkeypatch):
     assert_close(ai.forward(prepared, cfg, tokens), ai.forward(params, cfg, tokens), roundings)
 
 
-def test_fused_weights_refuse_lora_adapters():
+def test_fused_weights_take_lora_adapters():
     params, cfg = make_model("gqa")
-    lora = {"scale": 1.0, "weights": ai.init_lora(params, cfg, rank=2)}
-    with pytest.raises(ValueError, match="merge"):
-        ai.forward(prepare_params(params), cfg, torch.tensor([[1, 2, 3]]), lora=lora)
+    lora = ai.init_lora(params, cfg, rank=2)
+    for pair in lora["weights"].values():
+        pair["B"] = torch.randn_like(pair["B"])
+    tokens = torch.tensor([[1, 2, 3]])
+    fused = ai.forward(prepare_params(params), cfg, tokens, lora=lora)
+    # the same numbers in another layout and fused products: another summation order
+    assert_close(fused, ai.forward(params, cfg, tokens, lora=lora), forward_roundings(cfg, 3))
 
 
 def test_position_past_the_page_table_is_an_error():

@@ -46,6 +46,34 @@ def test_dpo_starts_from_init_from_and_prefers_chosen(tmp_path):
     assert not same_tensors(model, base)
 
 
+def test_lora_runs_leave_an_adapter_folder_that_runs_as_the_merged_model(tmp_path):
+    from numerics import assert_close, forward_roundings
+
+    from astrai.model import forward
+    from astrai.model.lora_folder import load_lora
+
+    save_pretrained(tmp_path / "base", init_params(TINY, seed=7), TINY)
+    cfg = tiny_config(
+        init_from=str(tmp_path / "base"),
+        out_dir=str(tmp_path / "run"),
+        max_steps=5,
+        lora={"rank": 4, "alpha": 8.0, "targets": ["q_proj", "down_proj"]},
+    )
+    del cfg["model"]
+    train(train_config(cfg, "test"))
+    base, _ = load_pretrained(tmp_path / "base")
+    merged, _ = load_pretrained(tmp_path / "run" / "model")
+    lora, lora_cfg = load_lora(tmp_path / "run", TINY)
+    assert (lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets) == (4, 8.0, ("q_proj", "down_proj"))
+    config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    # the merged file summed W + s * B @ A (4 terms) before the products, not after them
+    unmerged = forward(base, TINY, tokens, lora=lora)
+    assert not torch.allclose(unmerged, forward(base, TINY, tokens))
+    assert_close(unmerged, forward(merged, TINY, tokens), forward_roundings(TINY, 10) + 4)
+
+
 def test_trains_on_shards_from_the_data_pipeline(tmp_path):
     from astrai.data import data_config, prepare
     from astrai.tokenizer import Tokenizer
