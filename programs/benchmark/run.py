@@ -86,6 +86,8 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     try:
         if opts.peer:
             b.peer = peer_llamacpp.start_for_bench(b)
+        if b.peer is not None:
+            b.choose_formats()
         for name in sections:
             status[name] = _run_section(b, name, log)
     finally:
@@ -201,7 +203,10 @@ def _commit() -> str | None:
 def _write(run_dir: Path, results: dict) -> None:
     rows = results["rows"]
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (run_dir / "results.md").write_text(markdown(rows) + "\n")
+    skipped = [
+        f"- {s['section']}: {s['name']}: skipped: {s['why']}" for s in results.get("skipped", [])
+    ]
+    (run_dir / "results.md").write_text("\n".join([markdown(rows), "", *skipped]).rstrip() + "\n")
 
 
 def chart_panels(rows: list[dict]) -> list[Panel]:
@@ -235,6 +240,8 @@ def summary(results: dict) -> str:
     lines = [table(results["rows"]), "", *verdicts(results["rows"])]
     for note in results.get("notes", []):
         lines.append(note)
+    for s in results.get("skipped", []):
+        lines.append(f"{s['section']}: {s['name']}: skipped: {s['why']}")
     for name, state in results["sections"].items():
         if state["status"] != "ok":
             lines.append(f"{name}: {state['status']}")
