@@ -120,6 +120,7 @@ class Workload:
     clients: int = 16  # concurrent streaming clients against the server
     rounds: int = 3  # measured rounds per side, interleaved
     compile_train: bool = True
+    window: tuple[int, int] = (8192, 4096)  # tokens, window of the window-only model (Mistral's)
 
 
 FULL = Workload()
@@ -132,6 +133,7 @@ QUICK = Workload(
     clients=8,
     rounds=2,
     compile_train=False,  # compiling takes minutes; a smoke run must not
+    window=(1024, 256),
 )
 
 

@@ -694,6 +694,13 @@ def isolated(b: Bench) -> None:
     b.rows.append(_compared(b, "isolated", label, "tok/s", rates, pair, choices, "loop", 0.95))
 
 
+def window(b: Bench) -> None:
+    """KV pages of a window-only model at 8k tokens against its window (window.py)."""
+    from .window import window_memory
+
+    window_memory(b)
+
+
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "limit": limit,
     "decode": decode,
@@ -703,4 +710,5 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "structured": structured,
     "serve": serve,
     "isolated": isolated,
+    "window": window,
 }
