@@ -77,9 +77,10 @@ def quantize_gguf(source: Path, out: Path, name: str, threads: int = 0) -> None:
     out in type `name` (a key of QUANTIZED); the file appears whole or not at all."""
     import ctypes
 
-    from astrai.export.llamacpp import _llama_cpp
+    from astrai.export.llamacpp import _llama_cpp, quiet_logs
 
     lib = _llama_cpp()
+    quiet_logs()  # a line per tensor otherwise
     lib.llama_backend_init()
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, QUANTIZED[name])

@@ -22,6 +22,7 @@ from astrai.model import DTYPES
 
 from . import peer_llamacpp
 from .chart import Panel, write_chart
+from .formats import quantize_skip_reason
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import MARKS, markdown, table, verdicts
 from .sections import SECTIONS, Bench, limit_rows
@@ -70,6 +71,8 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     size = opts.size or ("tiny" if opts.quick else "small")
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if opts.quantize and (why := quantize_skip_reason(opts.quantize)):
+        raise ValueError(f"--quantize {opts.quantize}: {why}")
     work = QUICK if opts.quick else FULL
     overrides = {"rounds": opts.rounds, "clients": opts.clients}
     work = dataclasses.replace(work, **{k: v for k, v in overrides.items() if v is not None})
