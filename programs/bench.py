@@ -5,7 +5,7 @@
 Our code and transformers run side by side on the same weights and inputs, in alternating
 rounds, and the table reports ratios (on a shared machine absolute numbers are noise; ratios
 measured side by side are not). Sections: limit, decode, throughput, prefill, train,
-structured, serve. Results go to runs/bench/<timestamp>/ (results.json, results.md, and chart.png when
+structured, serve, isolated, window. Results go to runs/bench/<timestamp>/ (results.json, results.md, and chart.png when
 matplotlib is installed); docs/benchmarks.md explains how to read them. The benchmark itself
 lives in programs/benchmark/, outside the astrai package.
 """
@@ -32,12 +32,12 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--only", default="", help=f"comma-separated sections of: {', '.join(SECTIONS)}")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, ...")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and K/V dtype for inference")  # fmt: skip
-    parser.add_argument("--quantize", choices=["int8"], help="our weights in 8 bits (the transformers reference stays in --dtype)")  # fmt: skip
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="our weights in 8 or 4 bits (the transformers reference stays in --dtype)")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="measured rounds per side (default 3; 2 with --quick)")  # fmt: skip
     parser.add_argument("--clients", type=int, help="concurrent streaming clients in serve")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-reference", action="store_true", help="our figures alone, without transformers")  # fmt: skip
-    parser.add_argument("--peer", choices=["llama.cpp"], help="add llama.cpp's rows (F32, BF16, Q8_0 GGUF of the same weights); needs the peer extra")  # fmt: skip
+    parser.add_argument("--peer", choices=["llama.cpp"], help="add llama.cpp's rows (F32, BF16, Q8_0, Q4_0, Q4_K_M GGUF of the same weights), ours in the same formats beside them; needs the peer extra")  # fmt: skip
     parser.add_argument("--out", default="runs/bench", help="where run folders and the cached models go")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:

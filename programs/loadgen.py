@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/, benchmark/ and figures beside it
 
+from benchmark.models import SIZES
 from load.client import Outcome, send_all
 from load.metrics import Objective, accounting, summarize
 from load.server import IDLE_KEYS, MODEL_NAME, idle_stats, serve_process
@@ -49,7 +50,7 @@ REFERENCE_RATES = {"transformers": (INF,)}  # static batching: all at once only 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny model, 32 mixed / 16 shared short requests")  # fmt: skip
-    p.add_argument("--size", choices=("tiny", "small", "smol"), help="model shape (default small; tiny with --quick)")  # fmt: skip
+    p.add_argument("--size", choices=list(SIZES), help="model shape (default small; tiny with --quick)")  # fmt: skip
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: mixed, shared")  # fmt: skip
     p.add_argument("--rates", default="auto", help="requests/s, comma-separated, inf = all at once; auto: all at once, then 1/4, 1/2 and 3/4 of the rate it achieved")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of: {', '.join(VARIANTS)}")  # fmt: skip
@@ -98,7 +99,7 @@ def shapes(args) -> dict[str, Shape]:
 def served_model(root: Path, size: str) -> tuple[Path, int]:
     """The benchmark's random-weight model folder with a word-level tokenizer saved beside it
     (no special tokens: every id is text and nothing ends a completion early)."""
-    from benchmark.models import SIZES, bench_tokenizer, model_folder
+    from benchmark.models import bench_tokenizer, model_folder
 
     folder = model_folder(root, size)
     vocab = SIZES[size]["vocab_size"]

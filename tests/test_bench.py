@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from benchmark.chart import Panel, write_chart
 from benchmark.limits import (
     decode_bytes_per_token,
     decode_flops_per_token,
+    gguf_bytes_per_token,
+    kv_bytes_per_token,
+    mean_kv_bytes,
+    roofline_fraction,
     roofline_tokens_per_s,
 )
 from benchmark.run import selected_sections
@@ -58,6 +63,7 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     sections = {row["section"] for row in results["rows"]}
     assert sections == {
         "limit", "decode", "throughput", "prefill", "train", "structured", "serve", "isolated",
+        "window",
     }  # fmt: skip
     for row in results["rows"]:
         assert row["ours"] > 0, row
@@ -67,7 +73,7 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
     # every ratio of two engines shows its agreement, and in float32 compares like things
     engines = [r for r in results["rows"] if "ratio" in r and r["section"] != "train"]
-    assert {r["section"] for r in engines} == sections - {"limit", "train"}
+    assert {r["section"] for r in engines} == sections - {"limit", "train", "window"}
     assert all(r["verdict"] == "comparable" for r in engines), engines
     assert all(r["agreement"] is not None for r in engines if r["section"] != "structured")
 
@@ -184,8 +190,8 @@ def test_without_transformers_our_own_folder_and_figures(tmp_path, monkeypatch, 
     assert load_program().main(argv) == 0, capsys.readouterr().out
     results = read_run(tmp_path)
     assert results["meta"]["reference_missing"] == "transformers is not installed"
-    config = json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())
-    assert "architectures" not in config  # written by our save_pretrained
+    written = json.loads((tmp_path / "models" / "tiny" / "bench-shape.json").read_text())
+    assert written["transformers"] is False  # written by our save_pretrained
     assert all("ratio" not in r for r in results["rows"])
 
 
@@ -328,3 +334,190 @@ def test_structured_compares_one_engine_with_and_without_the_grammar(tmp_path, m
     assert made == [(4096, "int8")]
     rows = read_run(tmp_path)["rows"]
     assert [r["verdict"] for r in rows if r["section"] == "structured"] == ["comparable"] * 2
+
+
+# --- the shapes people run, the formats beside llama.cpp's, the roofline column -----------------
+
+
+def config_of(tmp_path, size: str) -> ModelConfig:
+    from benchmark.models import hf_config
+
+    from astrai.model import model_config_from_json
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(size)))
+    return model_config_from_json(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("size", "shape", "billions"),
+    [
+        ("q05", (896, 24, 14, 2, 4864, 151936), 0.494),  # Qwen2.5-0.5B without its q/k/v biases
+        ("1b", (2048, 16, 32, 8, 8192, 128256), 1.236),  # Llama-3.2-1B
+        ("qwen3-0.6b", (1024, 28, 16, 8, 3072, 151936), 0.596),  # Qwen3-0.6B
+        ("gemma3-270m", (640, 18, 4, 1, 2048, 262144), 0.268),  # Gemma-3-270M
+    ],
+)
+def test_sizes_have_the_shapes_of_the_models_they_name(tmp_path, size, shape, billions):
+    from astrai.model import param_shapes
+
+    cfg = config_of(tmp_path, size)
+    got = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.kv_heads,
+           cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+    assert got == shape and cfg.tie_word_embeddings
+    total = sum(math.prod(s) for s in param_shapes(cfg).values())
+    assert total / 1e9 == pytest.approx(billions, abs=0.0005)
+
+
+def test_gemma3_size_slides_five_layers_of_six_and_qwen3_normalises_heads(tmp_path):
+    gemma = config_of(tmp_path, "gemma3-270m")
+    assert gemma.sliding_window == 512 and gemma.dim_per_head == 256
+    full = [i for i in range(gemma.num_hidden_layers) if not gemma.is_sliding_layer(i)]
+    assert full == [5, 11, 17]
+    qwen3 = config_of(tmp_path, "qwen3-0.6b")
+    assert qwen3.use_qk_norm and qwen3.dim_per_head == 128 and not qwen3.has_sliding_layers
+
+
+def test_a_cached_model_folder_is_reused_until_its_spec_changes(tmp_path, monkeypatch):
+    from benchmark import models
+
+    folder = models.model_folder(tmp_path, "tiny")
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert models.model_folder(tmp_path, "tiny") == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+    monkeypatch.setitem(models.SIZES, "tiny", {**models.SIZES["tiny"], "intermediate_size": 320})
+    models.model_folder(tmp_path, "tiny")
+    assert astrai.load_pretrained(folder)[1].intermediate_size == 320
+
+
+def test_rows_pair_ours_with_llama_cpp_at_the_same_bits():
+    from benchmark.formats import FORMATS, format_of, peer_pairs, side_name
+
+    peers = tuple(f"llama.cpp {t}" for t in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_K_M"))
+    sides = {"float32": "engine", "int8": "engine int8", "int4": "engine int4"}  # no bf16 here
+    assert peer_pairs(sides, peers) == [
+        ("engine", "llama.cpp F32"),
+        ("engine int8", "llama.cpp Q8_0"),
+        ("engine int4", "llama.cpp Q4_0"),
+        ("engine int4", "llama.cpp Q4_K_M"),
+    ]
+    main = format_of("float32", "int8")
+    assert main.name == "int8" and main.peers == ("Q8_0",)
+    assert format_of("bfloat16", None).peers == ("BF16",)
+    assert format_of("float16", None).peers == ()  # nothing of llama.cpp's at its bits here
+    assert [side_name(f, main) for f in FORMATS] == ["engine float32", "engine bf16", "engine", "engine int4"]  # fmt: skip
+
+
+def test_skip_reasons_say_why_a_format_does_not_run(monkeypatch):
+    from benchmark import formats
+
+    from astrai.infer import hardware
+    from astrai.infer import prepare as prepare_module
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: False)
+    why = formats.bf16_skip_reason("cpu")
+    assert why.startswith("bf16 is not native on this CPU") and "slower than float32" in why
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: True)
+    assert formats.bf16_skip_reason("cpu") is None
+
+    def refuse(params, quantize=None):
+        raise ValueError(f"quantize must be one of ('int8',) or None, got {quantize!r}")
+
+    monkeypatch.setattr(prepare_module, "prepare_params", refuse)
+    monkeypatch.setattr("astrai.infer.prepare_params", refuse)
+    why = formats.quantize_skip_reason("int4")
+    assert why == "int4 not available in this build: quantize must be one of ('int8',) or None, got 'int4'"  # fmt: skip
+    monkeypatch.setattr("astrai.infer.prepare_params", lambda params, quantize=None: params)
+    assert formats.quantize_skip_reason("int4") is None  # accepted: the int4 rows run
+
+
+def test_train_bf16_is_skipped_with_the_reason_where_bf16_is_emulated(tmp_path, monkeypatch, capsys):  # fmt: skip
+    from benchmark import sections
+
+    monkeypatch.setattr(sections, "bf16_skip_reason", lambda device: "bf16 is not native here")
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "train", "--out", str(tmp_path)]
+    assert load_program().main(argv) == 0
+    out = capsys.readouterr().out
+    assert "train: train_step bf16 (ours and transformers): skipped: bf16 is not native here" in out
+    results = read_run(tmp_path)
+    assert not [r for r in results["rows"] if "bf16" in r["name"] or "bfloat16" in r["name"]]
+    assert results["skipped"] == [
+        {"section": "train", "name": "train_step bf16 (ours and transformers)",
+         "why": "bf16 is not native here"}
+    ]  # fmt: skip
+
+
+def test_kv_bytes_count_each_layers_window():
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=10,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    )  # fmt: skip
+    per_position = 2 * 2 * 8 * 4  # K and V, 2 heads of 8, float32
+    assert kv_bytes_per_token(cfg, 6, 4) == 3 * 6 * per_position  # all within the window
+    assert kv_bytes_per_token(cfg, 100, 4) == (10 + 100 + 10) * per_position
+    # prompt 4, 3 new tokens: steps attend to 4, 5, 6 positions
+    assert mean_kv_bytes(cfg, 4, 3, 2) == pytest.approx(3 * 5 * per_position / 2)
+
+
+def test_roofline_fraction_is_streamed_bytes_over_the_bandwidth():
+    from benchmark.sections import roofline_columns
+
+    assert roofline_fraction(10.0, 2e9, 40.0) == pytest.approx(0.5)
+    row = {"ours": 10.0, "reference": 30.0, "bytes_per_token": [2e9, 1e9]}
+    assert roofline_columns(row, 40.0) == pytest.approx([0.5, 0.75])
+    alone = {"ours": None, "reference": 30.0, "bytes_per_token": [None, 1e9]}
+    assert roofline_columns(alone, 40.0) == [None, pytest.approx(0.75)]
+    from benchmark.report import roofline_text
+
+    assert roofline_text([0.5, None]) == "50% / -" and roofline_text(None) == "-"
+
+
+def test_int4_counts_half_a_byte_per_matrix_element():
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    assert 2 * decode_bytes_per_token(cfg, torch.float32, "int4") == decode_bytes_per_token(
+        cfg, torch.float32, "int8"
+    )
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_bytes_per_token_are_ours_for_an_f32_file(tmp_path, tied):
+    pytest.importorskip("gguf")
+    from astrai.export import save_gguf
+
+    cfg = ModelConfig(
+        vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=tied,
+    )  # fmt: skip
+    save_gguf(tmp_path / "m.gguf", astrai.init_params(cfg, seed=0), cfg, type="f32")
+    # the same tensors in the same type: the head read whole, one row of the embedding
+    assert gguf_bytes_per_token(tmp_path / "m.gguf") == decode_bytes_per_token(cfg, torch.float32)
+
+
+def test_pages_held_by_a_sequence_without_a_window_are_all_its_pages():
+    from benchmark.window import SHAPE, pages_held, window_pages
+
+    from astrai.infer.pages import pages_for
+
+    cfg = ModelConfig(**SHAPE, max_position_embeddings=300)
+    assert pages_held(cfg, 300, 8, 16, "cpu", torch.float32) == pages_for(300, 16) == 19
+    assert window_pages(256, 16) == 17  # a window not starting on a page boundary spans one more
+
+
+def test_window_rows_say_whether_pages_behind_the_window_are_released(tmp_path, capsys):
+    argv = [
+        "--quick",
+        "--rounds",
+        "1",
+        "--no-reference",
+        "--only",
+        "window",
+        "--out",
+        str(tmp_path),
+    ]
+    assert load_program().main(argv) == 0
+    out = capsys.readouterr().out
+    held, bound, total = [r for r in read_run(tmp_path)["rows"] if r["section"] == "window"]
+    assert (bound["ours"], total["ours"], held["target"]) == (17, 64, 17)
+    assert held["met"] == (held["ours"] <= 17)
+    # the note is there exactly while the engine keeps pages no layer reads again
+    assert ("pages behind the window are not released yet" in out) == (held["ours"] > 17)

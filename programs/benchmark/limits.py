@@ -14,6 +14,8 @@ from astrai.model import param_shapes
 
 from .timing import timed
 
+QUANTIZED_BITS = {"int8": 8, "int4": 4}  # bits per matrix element of prepare_params' quantize
+
 
 def stream_bandwidth(device: torch.device, n: int = 1 << 25, repeats: int = 5) -> dict[str, float]:
     """GB/s of copy (b = a), triad (a = b + 3c) and read (sum a) over float32 arrays of n
@@ -70,10 +72,53 @@ def decode_bytes_per_token(
     of the embedding, and the head (the embedding matrix itself when tied). The K/V cache read
     is left out: at these lengths it is under 1% of the weights. For MoE every expert is
     counted, which overstates the bytes of a sparse step. With int8 weights the matrices take
-    one byte per element (the per-row scales and the norms are left out: under 1%)."""
+    one byte per element (the per-row scales and the norms are left out: under 1%); with int4
+    half a byte (its group scales are left out too: the count never overstates the bytes, so
+    a fraction of the roofline made from it never flatters)."""
     elements, hidden = _matrix_elements(cfg)
-    per_element = 1 if quantize == "int8" else torch.empty((), dtype=dtype).element_size()
-    return (elements + hidden) * per_element
+    bits = QUANTIZED_BITS.get(quantize) or 8 * torch.empty((), dtype=dtype).element_size()
+    return (elements + hidden) * bits // 8
+
+
+def kv_bytes_per_token(cfg: ModelConfig, context: int, element_size: int) -> int:
+    """Bytes of K and V one decode step reads with `context` tokens behind it: every layer's
+    K/V heads over the positions it attends to (at most its window on a sliding layer)."""
+    per_position = 2 * cfg.kv_heads * cfg.dim_per_head * element_size
+    seen = [
+        min(context, cfg.sliding_window) if cfg.is_sliding_layer(i) else context
+        for i in range(cfg.num_hidden_layers)
+    ]
+    return sum(seen) * per_position
+
+
+def mean_kv_bytes(cfg: ModelConfig, prompt_len: int, new_tokens: int, element_size: int) -> float:
+    """The K/V bytes a decode step reads, averaged over the steps of one generation: the step
+    for token t (counting from 0) attends to prompt_len + t positions."""
+    steps = range(prompt_len, prompt_len + new_tokens)
+    return sum(kv_bytes_per_token(cfg, c, element_size) for c in steps) / max(len(steps), 1)
+
+
+def gguf_bytes_per_token(path) -> int:
+    """Bytes of weights one batch-1 step of llama.cpp reads from a GGUF file: every tensor
+    once, in the file's own types (Q4_K_M mixes several), but of the token embedding one row,
+    or all of it when it is also the head (no output.weight)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    embed = tensors.pop("token_embd.weight")
+    rows = int(embed.shape[-1]) if len(embed.shape) > 1 else 1  # GGUF lists [cols, rows]
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    return (
+        total
+        + int(embed.n_bytes) // rows
+        + (0 if "output.weight" in tensors else int(embed.n_bytes))
+    )
+
+
+def roofline_fraction(tokens_per_s: float, bytes_per_token: float, bandwidth_gb_s: float) -> float:
+    """The share of the memory bandwidth a batch-1 decoder streams: tokens/s x bytes read per
+    token over what the memory delivers (1.0: at the memory limit)."""
+    return tokens_per_s * bytes_per_token / (bandwidth_gb_s * 1e9)
 
 
 def decode_flops_per_token(cfg: ModelConfig) -> int:

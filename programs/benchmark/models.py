@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 import astrai
-from astrai.config import ModelConfig
 from astrai.tokenizer import Tokenizer
 
-# Shapes in Hugging Face Llama config.json terms; every one ties its embeddings.
+# Shapes in Hugging Face config.json terms (Llama's unless model_type says otherwise, COMMON
+# filling what a shape leaves out); every one ties its embeddings.
 SIZES: dict[str, dict] = {
     # for smoke runs and tests: seconds, not minutes
     "tiny": dict(
@@ -42,14 +42,69 @@ SIZES: dict[str, dict] = {
         intermediate_size=1536,
         vocab_size=49152,
     ),
+    # the shape of Qwen2.5-0.5B as a Llama (no q/k/v biases): what llama.cpp users run
+    "q05": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+    # the shape of Llama-3.2-1B (its llama3 RoPE scaling left out: the same work per token)
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+    ),
+    # Gemma-3-270M: sandwich norms, QK-norm, 512-token windows on five layers of every six
+    "gemma3-270m": dict(
+        model_type="gemma3_text",
+        hidden_size=640,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        intermediate_size=2048,
+        vocab_size=262144,
+        sliding_window=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+        query_pre_attn_scalar=256,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        rms_norm_eps=1e-6,
+    ),
+    # Qwen3-0.6B: QK-norm, head_dim 128 wider than hidden / heads
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 COMMON = dict(
+    model_type="llama",
     tie_word_embeddings=True,
     max_position_embeddings=2048,
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     initializer_range=0.02,
 )
+SHAPE_FILE = "bench-shape.json"  # the spec a cached folder was written from
+
+
+def hf_config(size: str) -> dict:
+    """The config.json fields of a size: its shape over COMMON."""
+    return {**COMMON, **SIZES[size]}
 
 
 @dataclass(frozen=True)
@@ -65,6 +120,7 @@ class Workload:
     clients: int = 16  # concurrent streaming clients against the server
     rounds: int = 3  # measured rounds per side, interleaved
     compile_train: bool = True
+    window: tuple[int, int] = (8192, 4096)  # tokens, window of the window-only model (Mistral's)
 
 
 FULL = Workload()
@@ -77,6 +133,7 @@ QUICK = Workload(
     clients=8,
     rounds=2,
     compile_train=False,  # compiling takes minutes; a smoke run must not
+    window=(1024, 256),
 )
 
 
@@ -92,24 +149,26 @@ def has_transformers() -> bool:
 
 
 def _matches(folder: Path, size: str) -> bool:
-    """A cached folder is reused only if it has this shape and, when transformers is here,
-    was written by transformers (so both sides surely read one and the same file)."""
+    """A cached folder is reused only if it was written from this size's spec and, when
+    transformers is here, by transformers (so both sides surely read one and the same file).
+    The spec is kept beside the weights: config.json alone cannot say, as transformers 5 moves
+    fields (rope_theta into rope_parameters) when it writes them."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        written = json.loads((folder / SHAPE_FILE).read_text())
     except (OSError, ValueError):
         return False
     if not (folder / "model.safetensors").exists():
         return False
-    if has_transformers() and "architectures" not in config:
+    if has_transformers() and not written.get("transformers"):
         return False
-    return all(config.get(k) == v for k, v in {**SIZES[size], **COMMON}.items())
+    return written.get("config") == hf_config(size)
 
 
 def model_folder(root: Path, size: str, seed: int = 0) -> Path:
     """root/models/<size>: random weights in a Hugging Face folder, written once and reused.
 
-    transformers' LlamaForCausalLM.save_pretrained writes it when transformers is installed;
-    otherwise our own save_pretrained does (the same keys and config.json fields).
+    transformers' model class of the size's model_type writes it when transformers is
+    installed; otherwise our own save_pretrained does (the same keys and config.json fields).
     """
     folder = root / "models" / size
     if _matches(folder, size):
@@ -117,14 +176,24 @@ def model_folder(root: Path, size: str, seed: int = 0) -> Path:
     tmp = folder.with_name(f".{size}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(seed)
+    spec = hf_config(size)
     if has_transformers():
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = LlamaConfig(**SIZES[size], **COMMON, bos_token_id=None, eos_token_id=None)
-        LlamaForCausalLM(config).save_pretrained(tmp)
+        fields = {k: v for k, v in spec.items() if k != "model_type"}
+        config = AutoConfig.for_model(
+            spec["model_type"], **fields, bos_token_id=None, eos_token_id=None
+        )
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
     else:
-        cfg = ModelConfig(**SIZES[size], **COMMON)
+        from astrai.model import model_config_from_json
+
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(spec))
+        cfg = model_config_from_json(tmp / "config.json")
         astrai.save_pretrained(tmp, astrai.init_params(cfg, seed=seed), cfg)
+    written = {"config": spec, "transformers": has_transformers()}
+    (tmp / SHAPE_FILE).write_text(json.dumps(written, indent=1) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)  # a folder appears whole or not at all
     return folder

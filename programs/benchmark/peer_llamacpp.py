@@ -1,6 +1,7 @@
 """llama.cpp as a peer in the benchmark (`--peer llama.cpp`).
 
-The run's weights are exported to GGUF as F32, BF16 and Q8_0 and run by llama.cpp in a process
+The run's weights are exported to GGUF as F32, BF16 and Q8_0, quantised from the F32 file by
+llama.cpp's own quantiser to Q4_0 and Q4_K_M, and run by llama.cpp in a process
 of its own (so its thread pool and ours never share a process), driven over a pipe: one JSON
 line per call, answered when the work is done. Each call is timed on our side like every other
 side, round trip included (a few hundred microseconds against calls of tenths of seconds).
@@ -20,7 +21,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-PEER_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}  # llama.cpp's name -> export type
+# llama.cpp's name -> our GGUF export type, for the files we write ourselves
+EXPORTED = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
+# llama.cpp's name -> its llama_ftype, for the files llama.cpp quantises from the F32 one (as its
+# llama-quantize does: Q4_K_M mixes Q4_K, Q6_K and, for rows not a multiple of 256, fallbacks)
+QUANTIZED = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 @dataclass(frozen=True)
@@ -28,31 +33,85 @@ class Peer:
     process: subprocess.Popen
     log: Path  # llama.cpp's stderr, shown when the peer fails
     names: tuple[str, ...]  # the calls it adds: "llama.cpp F32", ...
+    files: dict[str, Path]  # "llama.cpp F32" -> its GGUF file
 
 
-def export_models(folder: Path) -> dict[str, Path]:
-    """folder/llama.cpp-<type>.gguf for every peer type, written when missing or older than
-    the weights."""
+def gguf_path(folder: Path, name: str) -> Path:
+    return folder / f"llama.cpp-{name.lower()}.gguf"
+
+
+def _stale(path: Path, source: Path) -> bool:
+    return not path.exists() or path.stat().st_mtime < source.stat().st_mtime
+
+
+def export_models(folder: Path, types: tuple[str, ...], threads: int = 0) -> dict[str, Path]:
+    """folder/llama.cpp-<type>.gguf for every type asked for, written when missing or older than
+    the weights: F32, BF16 and Q8_0 by our exporter, Q4_0 and Q4_K_M by llama.cpp's quantiser
+    from the F32 file."""
     import astrai
     from astrai.export import save_gguf
 
+    unknown = sorted(set(types) - set(EXPORTED) - set(QUANTIZED))
+    if unknown:
+        known = ", ".join([*EXPORTED, *QUANTIZED])
+        raise ValueError(f"llama.cpp file types {unknown}; choose from {known}")
     weights = folder / "model.safetensors"
-    paths = {name: folder / f"llama.cpp-{t}.gguf" for name, t in PEER_TYPES.items()}
-    stale = {
-        n: p
-        for n, p in paths.items()
-        if not p.exists() or p.stat().st_mtime < weights.stat().st_mtime
-    }
+    paths = {name: gguf_path(folder, name) for name in types}
+    exported = [n for n in EXPORTED if (n in types or (n == "F32" and set(types) & set(QUANTIZED)))]
+    stale = [n for n in exported if _stale(gguf_path(folder, n), weights)]
     if stale:
         params, cfg = astrai.load_pretrained(folder)
-        for name, path in stale.items():
-            save_gguf(path, params, cfg, None, type=PEER_TYPES[name], name=folder.name)
+        for name in stale:
+            save_gguf(
+                gguf_path(folder, name), params, cfg, None, type=EXPORTED[name], name=folder.name
+            )
+    source = gguf_path(folder, "F32")
+    for name in (n for n in types if n in QUANTIZED):
+        if _stale(paths[name], source):
+            quantize_gguf(source, paths[name], name, threads)
     return paths
 
 
-def start_peer(folder: Path, threads: int, n_ctx: int) -> Peer:
+def quantize_gguf(source: Path, out: Path, name: str, threads: int = 0) -> None:
+    """llama.cpp's quantiser (llama_model_quantize, what llama-quantize runs) from source to
+    out in type `name` (a key of QUANTIZED); the file appears whole or not at all."""
+    import ctypes
+
+    from astrai.export.llamacpp import _llama_cpp, quiet_logs
+
+    lib = _llama_cpp()
+    quiet_logs()  # a line per tensor otherwise
+    lib.llama_backend_init()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, QUANTIZED[name])
+    params.nthread = threads
+    tmp = out.with_name(f".{out.name}.tmp")
+    status = lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
+    if status != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not quantise {source} to {name} (status {status})")
+    tmp.rename(out)
+
+
+def peer_types(device) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The llama.cpp files to run here, and {type: why not} for the others: a file of a format
+    whose dtype is not native here (BF16 where bf16 is emulated) does not run."""
+    from .formats import FORMATS, skip_reason
+
+    run, skipped = [], {}
+    for f in FORMATS:
+        reason = skip_reason(f, device) if f.quantize is None else None
+        for name in f.peers:
+            if reason is None:
+                run.append(name)
+            else:
+                skipped[name] = reason
+    return tuple(run), skipped
+
+
+def start_peer(folder: Path, threads: int, n_ctx: int, types: tuple[str, ...]) -> Peer:
     """Export the models and start the peer process; n_ctx: K/V cells per sequence."""
-    paths = export_models(folder)
+    paths = export_models(folder, types, threads)
     log = Path(tempfile.mkstemp(prefix="llama.cpp-", suffix=".log")[1])
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve())],
@@ -61,31 +120,44 @@ def start_peer(folder: Path, threads: int, n_ctx: int) -> Peer:
         stderr=log.open("w"),
         text=True,
     )
-    peer = Peer(process, log, tuple(f"llama.cpp {name}" for name in paths))
+    files = {f"llama.cpp {name}": path for name, path in paths.items()}
+    peer = Peer(process, log, tuple(files), files)
     paths = {k: str(v) for k, v in paths.items()}
     ask(peer, {"op": "load", "paths": paths, "n_ctx": n_ctx, "threads": threads})
     return peer
 
 
-def start_for_bench(b) -> Peer:
+def start_for_bench(b) -> Peer | None:
     """The peer sized for the run's workload (the longest sequence: a decode or the prefill),
-    with a note in the results saying how it runs."""
+    with a note in the results saying how it runs; None, with the reason noted, where GGUF
+    cannot express the model."""
     import importlib.util
 
     import torch
 
+    from astrai.export import GGUFExportError, gguf_arch
+
     if importlib.util.find_spec("llama_cpp") is None:
         raise ValueError('--peer llama.cpp needs llama-cpp-python: pip install -e ".[peer]"')
+    try:
+        gguf_arch(b.cfg)
+    except GGUFExportError as exc:
+        b.skip("peer", "llama.cpp", str(exc))
+        return None
     w = b.work
     length = w.prefill[1]
     n_ctx = max(w.prompt_len + w.new_tokens, length)  # per sequence
     threads = torch.get_num_threads()
+    types, skipped = peer_types(b.device)
+    for name, reason in skipped.items():
+        b.skip("peer", f"llama.cpp {name}", reason)
     b.note(
-        f"llama.cpp peer: {', '.join(PEER_TYPES)} GGUF files of the same weights, {threads} "
-        "threads, its own process, extra buffer types (weight repacking, AMX) off, otherwise "
-        "llama.cpp's defaults (K/V float16, flash attention on)"
+        f"llama.cpp peer: {', '.join(types)} GGUF files of the same weights ("
+        f"{', '.join(t for t in types if t in QUANTIZED) or 'none'} quantised by llama.cpp "
+        f"from the F32 file), {threads} threads, its own process, extra buffer types (weight "
+        "repacking, AMX) off, otherwise llama.cpp's defaults (K/V float16, flash attention on)"
     )
-    return start_peer(b.folder, threads, n_ctx)
+    return start_peer(b.folder, threads, n_ctx, types)
 
 
 def ask(peer: Peer, request: dict) -> dict:

@@ -1,5 +1,5 @@
-"""The reference side: transformers' LlamaForCausalLM on the same weights folder, driven the
-way its documentation shows (generate with a KV cache, a plain forward, AdamW training)."""
+"""The reference side: transformers' model of the folder's model_type (LlamaForCausalLM for
+most shapes) on the same weights folder, driven the way its documentation shows (generate with a KV cache, a plain forward, AdamW training)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 
 def load_reference(folder: Path, dtype: torch.dtype, device: torch.device):
-    """LlamaForCausalLM from the folder, in eval mode."""
-    from transformers import LlamaForCausalLM
+    """The folder's model class (AutoModelForCausalLM reads config.json), in eval mode."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -71,6 +71,8 @@ MARKS = {"not comparable": " NOT COMPARABLE", "unchecked": " unchecked"}
 def _ratio_text(row: dict) -> str:
     if row.get("verdict") == "refused":
         return "REFUSED"
+    if row.get("skipped"):
+        return "skipped (ours)"
     ratio = row.get("ratio")
     if ratio is None:
         return "-"
@@ -92,10 +94,17 @@ def _cells(row: dict) -> list[str]:
         reference += f" ({row['reference_name']})"
     agreement = "-" if row.get("agreement") is None else f"{row['agreement']:.0%}"
     return [row["section"], row["name"], _number(row["ours"], row["unit"]), reference,
-            _ratio_text(row), agreement, target_text]  # fmt: skip
+            _ratio_text(row), roofline_text(row.get("roofline")), agreement, target_text]  # fmt: skip
 
 
-HEADER = ["section", "measurement", "ours", "reference", "ratio (range)", "greedy agreement", "target"]  # fmt: skip
+def roofline_text(fractions: list[float | None] | None) -> str:
+    """A batch-1 decode row's shares of the memory bandwidth: "ours / reference", in %."""
+    if not fractions:
+        return "-"
+    return " / ".join("-" if f is None else f"{f:.0%}" for f in fractions)
+
+
+HEADER = ["section", "measurement", "ours", "reference", "ratio (range)", "roofline (ours / ref)", "greedy agreement", "target"]  # fmt: skip
 
 
 def verdicts(rows: list[dict]) -> list[str]:

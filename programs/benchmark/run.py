@@ -22,6 +22,7 @@ from astrai.model import DTYPES
 
 from . import peer_llamacpp
 from .chart import Panel, write_chart
+from .formats import quantize_skip_reason
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import MARKS, markdown, table, verdicts
 from .sections import SECTIONS, Bench, limit_rows
@@ -70,6 +71,8 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     size = opts.size or ("tiny" if opts.quick else "small")
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if opts.quantize and (why := quantize_skip_reason(opts.quantize)):
+        raise ValueError(f"--quantize {opts.quantize}: {why}")
     work = QUICK if opts.quick else FULL
     overrides = {"rounds": opts.rounds, "clients": opts.clients}
     work = dataclasses.replace(work, **{k: v for k, v in overrides.items() if v is not None})
@@ -86,6 +89,8 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     try:
         if opts.peer:
             b.peer = peer_llamacpp.start_for_bench(b)
+        if b.peer is not None:
+            b.choose_formats()
         for name in sections:
             status[name] = _run_section(b, name, log)
     finally:
@@ -201,7 +206,10 @@ def _commit() -> str | None:
 def _write(run_dir: Path, results: dict) -> None:
     rows = results["rows"]
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (run_dir / "results.md").write_text(markdown(rows) + "\n")
+    skipped = [
+        f"- {s['section']}: {s['name']}: skipped: {s['why']}" for s in results.get("skipped", [])
+    ]
+    (run_dir / "results.md").write_text("\n".join([markdown(rows), "", *skipped]).rstrip() + "\n")
 
 
 def chart_panels(rows: list[dict]) -> list[Panel]:
@@ -235,6 +243,8 @@ def summary(results: dict) -> str:
     lines = [table(results["rows"]), "", *verdicts(results["rows"])]
     for note in results.get("notes", []):
         lines.append(note)
+    for s in results.get("skipped", []):
+        lines.append(f"{s['section']}: {s['name']}: skipped: {s['why']}")
     for name, state in results["sections"].items():
         if state["status"] != "ok":
             lines.append(f"{name}: {state['status']}")

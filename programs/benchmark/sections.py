@@ -17,10 +17,14 @@ import torch
 from astrai.config import ModelConfig
 
 from . import ours, reference
+from .formats import FORMATS, Format, bf16_skip_reason, format_of, peer_pairs, skip_reason
 from .limits import (
     decode_bytes_per_token,
     decode_flops_per_token,
+    gguf_bytes_per_token,
     matmul_gflops,
+    mean_kv_bytes,
+    roofline_fraction,
     roofline_tokens_per_s,
     stream_bandwidth,
     weights_read_bandwidth,
@@ -56,7 +60,7 @@ class Bench:
     params: dict
     cfg: ModelConfig
     tokenizer: object
-    reference: object | None  # LlamaForCausalLM, or None when transformers is missing
+    reference: object | None  # transformers model, or None when transformers is missing
     log: Callable[[str], None]
     rows: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
@@ -65,6 +69,47 @@ class Bench:
     peer: object | None = None  # the llama.cpp peer (peer_llamacpp.Peer) with --peer llama.cpp
     quantize: str | None = None  # our weights in 8 bits ("int8"); the reference stays in dtype
     forwards: dict = field(default_factory=dict)  # precision -> our forward's Logits
+    # with the peer: the formats our side runs in besides the run's own ({name: Format}), so
+    # that each llama.cpp file has ours at the same bits (formats.py)
+    formats: dict[str, Format] = field(default_factory=dict)
+    skipped_formats: dict[str, str] = field(default_factory=dict)  # format name -> why not
+
+    @property
+    def main_format(self) -> Format:
+        return format_of(str(self.dtype).removeprefix("torch."), self.quantize)
+
+    def choose_formats(self) -> None:
+        """With the peer: every format of formats.FORMATS besides the run's own that runs here,
+        and a line for each that does not, saying why."""
+        main = self.main_format
+        for f in FORMATS:
+            if f == main:
+                continue
+            reason = skip_reason(f, self.device)
+            if reason is None:
+                self.formats[f.name] = f
+            else:
+                self.skipped_formats[f.name] = reason
+                self.skip("formats", f"ours in {f.name}", reason)
+
+    def skip(self, section: str, name: str, why: str) -> None:
+        """A measurement that does not run here, and why; printed and kept in the JSON."""
+        self.extra.setdefault("skipped", []).append({"section": section, "name": name, "why": why})
+        self.log(f"{section}: {name}: skipped: {why}")
+
+    def format_spec(self, f: Format) -> tuple[torch.dtype, str | None]:
+        """(dtype, quantize) of our side in format f: 8- and 4-bit weights keep the run's
+        dtype for activations and K/V, as --quantize does."""
+        return (getattr(torch, f.dtype) if f.dtype else self.dtype), f.quantize
+
+    def rounding_of(self, side: str) -> Logits | None:
+        """Our forward that rounds as `side` does (verify.py); None for a side not ours."""
+        if side in ROUNDS_LIKE:
+            return self.logits_in(ROUNDS_LIKE[side])
+        fmt = side.rpartition(" ")[2]
+        if fmt in self.formats and side.partition(" ")[0] in ROUNDS_LIKE:
+            return self.logits_in(f"format {fmt}")
+        return None
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         return random_prompts(n, self.work.prompt_len, self.cfg.vocab_size, seed)
@@ -81,6 +126,12 @@ class Bench:
         return logits
 
     def _weights(self, precision: str) -> dict:
+        if precision.startswith("format "):
+            dtype, quantize = self.format_spec(self.formats[precision.removeprefix("format ")])
+            params = {
+                k: v.to(dtype) if v.is_floating_point() else v for k, v in self.params.items()
+            }
+            return ours.prepared(params, self.cfg, quantize)
         if precision == "exact":
             from astrai import load_pretrained
 
@@ -150,10 +201,21 @@ def sides(b: Bench, names: tuple[str, ...]) -> Iterator[dict[str, Callable]]:
     }
     wanted = [n for n in names if n != "transformers" or b.reference is not None]
     specs = {name: {**base, "side": name} for name in wanted}
+    for name in names:
+        side, _, fmt = name.partition(" ")
+        if fmt:  # "engine int8": the Engine with its weights in another format
+            dtype, quantize = b.format_spec(b.formats[fmt])
+            dtype_name = str(dtype).removeprefix("torch.")
+            specs[name] = {**base, "side": side, "dtype": dtype_name, "quantize": quantize}
     with side_processes(specs, torch.get_num_threads()) as processes:
         if "engine" in processes:
             _note_kernels(b, processes["engine"].facts["kernels"])
         yield {name: process.generate for name, process in processes.items()}
+
+
+def with_formats(b: Bench, side: str) -> tuple[str, ...]:
+    """side and, with the peer, the same side in each other format that runs here."""
+    return (side, *(f"{side} {fmt}" for fmt in b.formats))
 
 
 def _available(b: Bench, calls: dict) -> dict:
@@ -175,11 +237,34 @@ def _reference_rows(
             pair = (mine, theirs)
             b.rows.append(_compared(b, section, label, unit, rates, pair, choices, target=target))
         else:
-            b.rows.append(figure(section, label, unit, median(rates[mine]), rates[mine]))
+            row = figure(section, label, unit, median(rates[mine]), rates[mine])
+            b.rows.append(row | {"sides": [mine]})
+    if b.peer is None:
+        return
     mine, _, label = pairs[against_peer]
-    for name in b.peer.names if b.peer is not None else ():
-        pair = (mine, name)
-        b.rows.append(_compared(b, section, f"{label} vs {name}", unit, rates, pair, choices, name))
+    ours_by_format = {b.main_format.name: mine}
+    ours_by_format |= {fmt: f"{mine} {fmt}" for fmt in b.formats if f"{mine} {fmt}" in rates}
+    for ours_side, name in peer_pairs(ours_by_format, b.peer.names):
+        fmt = ours_side.removeprefix(mine).strip() or b.main_format.name
+        pair = (ours_side, name)
+        row = _compared(b, section, f"{label}, {fmt} vs {name}", unit, rates, pair, choices, name)
+        b.rows.append(row)
+    paired = {name for _, name in peer_pairs(ours_by_format, b.peer.names)}
+    for name in b.peer.names:
+        if name not in paired:
+            b.rows.append(_peer_alone(b, section, label, unit, rates[name], name))
+
+
+def _peer_alone(b: Bench, section, label, unit, rates: list[float], name: str) -> dict:
+    """llama.cpp's figure for a file whose format our side does not run here, with the reason."""
+    fmt = next((f.name for f in FORMATS if name.split()[-1] in f.peers), None)
+    why = b.skipped_formats.get(fmt, f"no format of ours matches {name}")
+    return {
+        "section": section, "name": f"{label}, {fmt or '-'} vs {name}", "unit": unit,
+        "ours": None, "ours_rounds": [], "reference": median(rates), "reference_rounds": rates,
+        "reference_name": name, "ratio": None, "ratio_range": None, "target": None,
+        "met": None, "skipped": why, "sides": [None, name],
+    }  # fmt: skip
 
 
 def _compared(
@@ -192,10 +277,11 @@ def _compared(
     keeps no ratio."""
     mine, theirs = pair
     row = compare(section, label, unit, rates[mine], rates[theirs], reference_name, target)
+    row["sides"] = list(pair)
     if choices is None:
         return row
     if greedy:
-        rounded = tuple(b.logits_in(ROUNDS_LIKE[s]) if s in ROUNDS_LIKE else None for s in pair)
+        rounded = tuple(b.rounding_of(s) for s in pair)
         row |= verdict(pair, (choices[mine], choices[theirs]), b.logits_in("exact"), rounded)
     else:
         row |= same_work(pair, choices[mine], choices[theirs])
@@ -257,6 +343,9 @@ def limit_rows(b: Bench) -> None:
     for batch in (1, *b.work.concurrency):
         roof = roofline_tokens_per_s(limits, batch)
         b.rows.append(figure("limit", f"decode roofline, batch {batch}", "tok/s", roof))
+    for row in b.rows:
+        if "bytes_per_token" in row:
+            row["roofline"] = roofline_columns(row, limits["bandwidth_gb_s"])
     labels = {"engine": "Engine", "loop": "decode_step loop", "transformers": "transformers"}
     for section, batch, rates, target in b.shares:
         roof = roofline_tokens_per_s(limits, batch)
@@ -266,6 +355,36 @@ def limit_rows(b: Bench) -> None:
             label = f"{labels[name]}, batch {batch}, share of roofline"
             mine = target if name == "engine" else None
             b.rows.append(figure(section, label, "%", 100 * median(values) / roof, None, mine))
+
+
+def roofline_columns(row: dict, bandwidth_gb_s: float) -> list[float | None]:
+    """[ours, reference]: the share of the memory bandwidth each side of a batch-1 decode row
+    streams (its tokens/s x its bytes per token over the bandwidth); None for a side with no
+    figure or no byte count."""
+    rates = [row.get("ours"), row.get("reference")]
+    return [
+        None if rate is None or nbytes is None else roofline_fraction(rate, nbytes, bandwidth_gb_s)
+        for rate, nbytes in zip(rates, row["bytes_per_token"])
+    ]
+
+
+def side_bytes(b: Bench, side: str) -> float | None:
+    """Bytes a batch-1 decode step of `side` reads: its weights in its own format and the K/V
+    of the workload's mean context (ours and transformers' K/V in the weights' dtype,
+    llama.cpp's in float16, its default)."""
+    w = b.work
+    if side.startswith("llama.cpp"):
+        weights, kv_size = gguf_bytes_per_token(b.peer.files[side]), 2
+    else:
+        name, _, fmt = side.partition(" ")
+        if name == "transformers":
+            dtype, quantize = b.dtype, None
+        elif fmt:
+            dtype, quantize = b.format_spec(b.formats[fmt])
+        else:
+            dtype, quantize = b.dtype, b.quantize
+        weights, kv_size = decode_bytes_per_token(b.cfg, dtype, quantize), dtype.itemsize
+    return weights + mean_kv_bytes(b.cfg, w.prompt_len, w.new_tokens, kv_size)
 
 
 # --- inference ---------------------------------------------------------------------------------
@@ -285,7 +404,7 @@ def decode(b: Bench) -> None:
     limit(b)
     outputs: dict = {}
     batches = [[prompt] for prompt in b.prompts(b.work.rounds + 1, seed=1)]
-    with sides(b, ("engine", "loop", "transformers")) as generate:
+    with sides(b, (*with_formats(b, "engine"), "loop", "transformers")) as generate:
         calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
         rates = b.measure(calls | generate_calls(b.peer, n), batches, n, outputs)
     pairs = [
@@ -294,7 +413,10 @@ def decode(b: Bench) -> None:
     ]
     choices = _choices(batches, outputs)
     targets = {"engine": _decode_target(b)}
+    start = len(b.rows)
     _reference_rows(b, "decode", rates, pairs, "tok/s", targets, choices)
+    for row in b.rows[start:]:  # the roofline column, filled in at the end (limit_rows)
+        row["bytes_per_token"] = [side and side_bytes(b, side) for side in row["sides"]]
     b.shares.append(("decode", 1, rates, 50.0 if b.size == "smol" else None))
     # every pair, the Engine and the loop too: they run the same code and should agree fully
     b.extra["greedy_agreement"] = {
@@ -305,7 +427,7 @@ def decode(b: Bench) -> None:
 def throughput(b: Bench) -> None:
     """c concurrent requests in one go: total generated tokens / wall time."""
     n = b.work.new_tokens
-    with sides(b, ("engine", "transformers")) as generate:
+    with sides(b, (*with_formats(b, "engine"), "transformers")) as generate:
         calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
         calls |= generate_calls(b.peer, n)
         for c in b.work.concurrency:
@@ -340,9 +462,14 @@ def prefill(b: Bench) -> None:
     run_prefill = ours.paged_prefill_fn(
         ours.prepared(b.params, b.cfg, b.quantize), b.cfg, batch, length
     )
+    formats = {
+        f"prefill {fmt}": ours.paged_prefill_fn(b._weights(f"format {fmt}"), b.cfg, batch, length)
+        for fmt in b.formats
+    }
     calls = {
         "forward": lambda x: ours.forward_logits(b.params, b.cfg, x),
         "prefill": run_prefill,
+        **formats,
         "ref_forward": lambda x: reference.forward(b.reference, x, last_only=False),
         "ref_prefill": lambda x: reference.forward(b.reference, x, last_only=True),
         **prefill_calls(b.peer),
@@ -378,7 +505,11 @@ def train(b: Bench) -> None:
         return astrai.load_pretrained(b.folder, dtype=torch.float32, device=b.device)[0]
 
     steppers = {}
-    for suffix, precision in (("", "float32"), ("_bf16", "bfloat16")):
+    precisions = [("", "float32"), ("_bf16", "bfloat16")]
+    if why := bf16_skip_reason(b.device):  # emulated bf16 training ran for more than 20 minutes
+        b.skip("train", "train_step bf16 (ours and transformers)", why)
+        precisions = precisions[:1]
+    for suffix, precision in precisions:
         steppers["eager" + suffix] = ours.train_step_fn(
             fresh(), b.cfg, b.work, False, TRAIN_HYPER, precision
         )
@@ -422,6 +553,8 @@ def _train_precision_rows(b: Bench, rates: dict[str, list[float]]) -> None:
     """bf16 against float32 on our side, and each side's model flops utilisation against the
     bf16 matmul peak measured here and now: 6 flops per weight per token (forward 2, backward
     4; attention scores left out, as in the decode roofline)."""
+    if not any(name.endswith("_bf16") for name in rates):
+        return
     peak = matmul_gflops(b.device, torch.bfloat16)
     b.extra["bf16_matmul_gflops"] = peak
     b.rows.append(figure("limit", "matmul peak, bfloat16", "GFLOP/s", peak))
@@ -561,6 +694,13 @@ def isolated(b: Bench) -> None:
     b.rows.append(_compared(b, "isolated", label, "tok/s", rates, pair, choices, "loop", 0.95))
 
 
+def window(b: Bench) -> None:
+    """KV pages of a window-only model at 8k tokens against its window (window.py)."""
+    from .window import window_memory
+
+    window_memory(b)
+
+
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "limit": limit,
     "decode": decode,
@@ -570,4 +710,5 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "structured": structured,
     "serve": serve,
     "isolated": isolated,
+    "window": window,
 }

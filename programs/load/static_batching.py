@@ -17,11 +17,11 @@ from pathlib import Path
 
 def run_batches(folder: str, jobs: list[dict], batch: int, threads: int | None) -> list[dict]:
     import torch
-    from transformers import LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     if threads:
         torch.set_num_threads(threads)
-    model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
 
     class StepClock(StoppingCriteria):
         """Called once per generated token: records when it came, never stops."""
