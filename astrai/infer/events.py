@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -69,6 +70,34 @@ def collect(events) -> Completion:
     for event in events:
         add_event(completion, event)
     return completion
+
+
+def wait_all(events: queue.SimpleQueue, request_ids: list[str]) -> list[Completion]:
+    """Read events from one queue until every request in request_ids finished -> their
+    Completions, in that order."""
+    by_id: dict[str, list[StreamEvent]] = {rid: [] for rid in request_ids}
+    remaining = len(by_id)
+    while remaining:
+        event = events.get()
+        by_id[event.request_id].append(event)
+        remaining -= event.finish_reason is not None
+    return [collect(by_id[rid]) for rid in request_ids]
+
+
+def wait_one(events: queue.SimpleQueue, request_id: str, timeout: float | None) -> Completion:
+    """Read one request's events until it finished -> its Completion; TimeoutError after
+    `timeout` seconds (None: wait), with the events read so far put back for a later call."""
+    collected = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not collected or collected[-1].finish_reason is None:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            collected.append(events.get(timeout=wait))
+        except queue.Empty:
+            for event in collected:  # the queue is empty: they go back in order
+                events.put(event)
+            raise TimeoutError(f"request {request_id} is not done yet") from None
+    return collect(collected)
 
 
 class Events:

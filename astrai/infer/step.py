@@ -31,14 +31,16 @@ from astrai.infer.events import Completion, PromptTooLong, StreamEvent, Usage, c
 from astrai.infer.hardware import auto_dtype, describe_dtype_choice
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.pages import init_pages, num_free_pages, pages_for
-from astrai.infer.radix import num_cached_pages
+from astrai.infer.radix import num_cached_pages, num_evictable_pages
 from astrai.infer.sampling import SamplingParams, sample_ids, sample_requests
 from astrai.infer.scheduler import (
     Scheduler,
     StepPlan,
     add_sequence,
     advance,
+    decode_run_length,
     drop_prefix_cache,
+    fed,
     finish_sequence,
     init_scheduler,
     plan_step,
@@ -85,12 +87,12 @@ class EngineState:
 
 
 def default_num_pages(cfg: ModelConfig, config: EngineConfig, width: int, dtype) -> int:
-    """Room for max_batch full-length sequences, capped at 1 GiB of K/V (but never less than
-    one full-length sequence)."""
+    """Room for max_batch full-length sequences, capped at max_pool_bytes of K/V (but never
+    less than one full-length sequence)."""
     k_shape, v_shape = kv_shapes(cfg)
     per_token = cfg.num_hidden_layers * (math.prod(k_shape) + math.prod(v_shape))
     page_bytes = per_token * config.page_size * torch.empty((), dtype=dtype).element_size()
-    return max(width, min(config.max_batch * width, (1 << 30) // page_bytes))
+    return max(width, min(config.max_batch * width, config.max_pool_bytes // page_bytes))
 
 
 def resolve_config(cfg: ModelConfig, config: EngineConfig, params: Params) -> EngineConfig:
@@ -131,16 +133,7 @@ def init_engine(
     pool = init_pages(
         cfg, config.num_pages, config.page_size, DTYPES[config.dtype], torch.device(config.device)
     )
-    sched = init_scheduler(
-        pool,
-        config.page_size,
-        config.max_batch,
-        config.prefill_chunk,
-        config.prefix_cache,
-        config.chunked_prefill,
-        config.prefill_chunk_decoding,
-    )
-    return EngineState(cfg, tokenizer, config, sched, [], Totals())
+    return EngineState(cfg, tokenizer, config, init_scheduler(pool, config), [], Totals())
 
 
 def params_for(state: EngineState, params: Params) -> Params:
@@ -343,21 +336,6 @@ def _run_model(
     return state, rows, logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
-def _run_length(plan: StepPlan, limit: int) -> int:
-    """How many decode steps the plan may run back to back, up to `limit` (see
-    EngineConfig.decode_run): 1 unless the step only decodes, every row already generates
-    (none feeds its prompt's last token) and samples from its logits alone (no penalty
-    window over its tokens, no grammar, no log-probs), and none would pass its max_tokens."""
-    if limit <= 1 or plan.prefill or not plan.decode:
-        return 1
-    for seq in plan.decode:
-        sp = seq.sampling
-        if seq.generated == 0 or seq.matcher is not None or sp.has_penalties or sp.logprobs:
-            return 1
-        limit = min(limit, seq.max_len - len(seq.tokens))
-    return max(limit, 1)
-
-
 def _decode_run(
     state: EngineState, params: Params, seqs: list[Sequence], steps: int
 ) -> tuple[EngineState, list[list[int]]]:
@@ -424,14 +402,15 @@ def _take_token(
 
 
 def engine_step(
-    state: EngineState, params: Params, decode_run: int | None = None
+    state: EngineState, params: Params, step_seconds: float | None = None
 ) -> tuple[EngineState, list[StreamEvent]]:
     """Advance every request by one scheduler step. Returns (state, events): one event per
     token produced or request finished, final events of cancelled requests first.
 
-    A step that only decodes rows that sample from their logits alone may run up to
-    `decode_run` decode steps back to back (None: the config's; see EngineConfig.decode_run),
-    giving each row that many tokens.
+    A step that only decodes rows that sample from their logits alone may run several decode
+    steps back to back, giving each row that many tokens: as many as `decode_run_length`
+    allows for the config and `step_seconds`, the caller's measure of one step's time (None:
+    not measured; the run is then `decode_run` steps).
     params are the weights on the engine's device and dtype (see params_for; prepare_params
     lays them out for faster decoding). A failure of the model fails the requests of the step
     (finish_reason "error"); the others go on. The state is donated."""
@@ -446,7 +425,7 @@ def engine_step(
         return state, events
     if not plan.decode and not plan.prefill:
         return state, events
-    steps = _run_length(plan, state.config.decode_run if decode_run is None else decode_run)
+    steps = decode_run_length(plan, state.config, step_seconds)
     if steps > 1:
         state.sched, reserved = reserve_run(state.sched, plan.decode, steps)
         if reserved:
@@ -507,7 +486,7 @@ def _take_run(
     state.totals.steps += steps
     for seq, tokens in zip(seqs, runs):
         for token in tokens:
-            seq.computed += 1  # the K/V of the token fed before this one
+            state.sched = fed(state.sched, seq, 1)  # the K/V of the token fed before this one
             state, event = _take_or_fail(state, seq, token, None)
             events.append(event)
             if event.finish_reason is not None:
@@ -544,10 +523,7 @@ def engine_stats(state: EngineState) -> dict:
     s, t, total = state.sched, state.totals, state.config.num_pages
     free = num_free_pages(s.pool)
     cached = num_cached_pages(s.cache) if s.cache is not None else 0
-    evictable = 0
-    if cached:
-        pages = torch.tensor(list(s.cache.nodes), dtype=torch.long)
-        evictable = int((s.pool["refs"][pages] == 1).sum())
+    evictable = num_evictable_pages(s.cache, s.pool)
     return {
         "running": len(s.running),
         "waiting": len(s.waiting),

@@ -136,13 +136,15 @@ def test_run_requests_completes_a_batch_as_recomputation_does():
 def _events_by_request(params, cfg, requests, decode_run, num_pages=64):
     """Every request through engine_step with decode runs of up to decode_run steps ->
     ({id: [(token ids, finish_reason, usage)] per event}, engine_step calls, final state)."""
-    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=num_pages, max_batch=8)
+    state = ai.init_engine(
+        params, cfg, None, page_size=4, num_pages=num_pages, max_batch=8, decode_run=decode_run
+    )
     for request in requests:
         state = ai.add_request(state, request)
     events: dict[str, list] = {r.id: [] for r in requests}
     calls = 0
     while state.sched.running or state.sched.waiting or state.outbox:
-        state, out = ai.engine_step(state, params, decode_run)
+        state, out = ai.engine_step(state, params)
         calls += 1
         for e in out:
             events[e.request_id].append((e.token_ids, e.finish_reason, e.usage))
