@@ -987,6 +987,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     measures its last step; rounded to the nearest count of steps): a request or a cancel that
     arrives during a run waits about this long at most. A thread-free `engine_step` given no
     step time runs `decode_run` steps."""
+    seed: int = 0
+    """Where the random generators of requests given no seed come from: the n-th such request
+    of an engine draws from a seed mixed from this and n, so the same settings, weights and
+    requests give the same events."""
     stats_interval_ms: float = 50.0
     """How old the Engine's stats snapshot gets at most while it is busy. Counting the pages is
     not free, so the snapshot is not taken at every step; it is taken at once after new

@@ -38,18 +38,17 @@ from astrai.infer.radix import (
     insert_prefix,
     match_prefix,
 )
+from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams, sample, sample_requests, token_logprobs
-from astrai.infer.step import (
+from astrai.infer.state import (
     EngineState,
-    Request,
     add_request,
     cancel_request,
-    engine_stats,
-    engine_step,
     forget_cached_kv,
     init_engine,
-    run_requests,
 )
+from astrai.infer.stats import engine_stats
+from astrai.infer.step import engine_step, run_requests
 from astrai.infer.support import products_here
 
 __all__ = [

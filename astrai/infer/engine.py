@@ -26,22 +26,21 @@ from astrai.infer.hardware import name_native_thread
 from astrai.infer.inbox import Call, Cancel, Close, Message, Started, Submit, SwapParams
 from astrai.infer.pacing import check_room, stats_due, tokens_per_s
 from astrai.infer.prepare import kernels_used, prepare_params
+from astrai.infer.requests import Request, new_sequence
+from astrai.infer.resolve import params_for
 from astrai.infer.sampling import SamplingParams, sampling_params
 from astrai.infer.sequence import Sequence
-from astrai.infer.step import (
-    Request,
+from astrai.infer.state import (
     cancel_request,
     describe,
     end_all,
-    engine_stats,
-    engine_step,
     enqueue,
     forget_cached_kv,
     has_work,
     init_engine,
-    new_sequence,
-    params_for,
 )
+from astrai.infer.stats import engine_stats
+from astrai.infer.step import engine_step
 
 Params = dict[str, torch.Tensor]
 THREAD_NAME = "astrai-engine"
@@ -92,7 +91,6 @@ class Engine:
         if started.error is not None:
             self._thread.join()
             raise started.error
-        self.config = self._state.config
         self.max_seq_len = self.config.max_seq_len
 
     @classmethod
@@ -203,7 +201,7 @@ class Engine:
         return message
 
     def _prepare(self, params):
-        prepared = prepare_params(params_for(self._state, params), self._state.config.quantize)
+        prepared = prepare_params(params_for(self.config, params), self.config.quantize)
         self.kernels = kernels_used(prepared)  # which product each matrix runs, for the logs
         return prepared
 
@@ -212,7 +210,7 @@ class Engine:
             raise RuntimeError("the engine is closed")
         sp = sampling if isinstance(sampling, SamplingParams) else sampling_params(**sampling)
         request_id = f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
-        return new_sequence(self._state, Request(request_id, prompt, sp))
+        return new_sequence(self.cfg, self.config, self.tokenizer, Request(request_id, prompt, sp))
 
     def _send(self, seqs: list[Sequence], sink: Sink) -> None:
         with self._lock:
@@ -228,6 +226,7 @@ class Engine:
             try:
                 params = params() if callable(params) else params
                 self._state = init_engine(params, self.cfg, self.tokenizer, config, **settings)
+                self.config = self._state.engine_config
                 self._params = self._prepare(params)
                 del params  # the prepared copy is what the engine keeps
                 self._take_snapshot(time.monotonic())

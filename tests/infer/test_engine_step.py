@@ -43,7 +43,7 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(64)}
     finals: dict[str, ai.StreamEvent] = {}
     step = 0
-    while step == 0 or state.sched.running or state.sched.waiting or state.outbox:
+    while step == 0 or state.sched.running or state.sched.waiting or state.final_events:
         for i in range(8 * step, min(8 * step + 8, 64)):  # eight new requests a step
             prompt, n = requests[i]
             sampling = ai.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -143,7 +143,7 @@ def _events_by_request(params, cfg, requests, decode_run, num_pages=64):
         state = ai.add_request(state, request)
     events: dict[str, list] = {r.id: [] for r in requests}
     calls = 0
-    while state.sched.running or state.sched.waiting or state.outbox:
+    while state.sched.running or state.sched.waiting or state.final_events:
         state, out = ai.engine_step(state, params)
         calls += 1
         for e in out:
