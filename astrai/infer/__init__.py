@@ -9,6 +9,7 @@ from astrai.infer.constraints import (
     allowed_tokens,
     start_constraint,
 )
+from astrai.infer.donation import DonatedError
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
     Completion,
@@ -55,6 +56,7 @@ __all__ = [
     "Completion",
     "Constraint",
     "ConstraintError",
+    "DonatedError",
     "Engine",
     "EngineState",
     "Int8Matrix",

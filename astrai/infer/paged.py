@@ -5,7 +5,7 @@ A page table row lists the pages of one sequence in order: token position p live
 hold any valid page index; the attention mask hides them.
 
 Both functions donate the pool: new K/V are written into its buffers in place with index
-operations, and the same pool comes back. Use the returned pool, never the one passed in.
+operations, and the pool comes back. Use the returned pool: the one passed in is emptied.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from astrai.config import ModelConfig
-from astrai.infer.pages import Pool, page_size_of
+from astrai.infer.pages import Pool, page_size_of, passed_on
 from astrai.infer.prepare import prepare_params  # noqa: F401  (its home before prepare.py)
 from astrai.model import decode_layers, embed, lm_head
 from astrai.model.forward import window_mask
@@ -109,7 +109,7 @@ def prefill(
         last = lengths - 1
     hidden = _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     hidden = hidden[torch.arange(B, device=device), last]
-    return lm_head(params, cfg, hidden).float(), pool
+    return lm_head(params, cfg, hidden).float(), passed_on(pool, "prefill")
 
 
 def decode_step(
@@ -127,4 +127,4 @@ def decode_step(
     hidden = _paged_layers(
         params, cfg, pool, tokens[:, None], positions[:, None], page_table, None, lora
     )
-    return lm_head(params, cfg, hidden[:, 0]).float(), pool
+    return lm_head(params, cfg, hidden[:, 0]).float(), passed_on(pool, "decode_step")

@@ -1,6 +1,7 @@
 """The engine state and the functions that change it between steps: requests join
 (`add_request`) and leave (`cancel_request`, `end_all`), the weights change
-(`forget_cached_kv`). Each takes the state and returns it, donated (see step.py)."""
+(`forget_cached_kv`). Each takes the state and returns it, donated: the caller goes on with
+the state that comes back, and using the one it gave raises DonatedError."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from astrai.config import EngineConfig, ModelConfig
+from astrai.infer.donation import donates
 from astrai.infer.events import StreamEvent, Usage
 from astrai.infer.pages import init_pages
 from astrai.infer.requests import Request, new_sequence
@@ -47,6 +49,7 @@ class EngineState:
     sched: Scheduler
     final_events: list[StreamEvent]
     totals: Totals
+    donated_to: str | None = None  # the function this object was handed to (see donation.py)
 
 
 def init_engine(
@@ -75,6 +78,7 @@ def request_seed(engine_seed: int, n: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+@donates
 def enqueue(state: EngineState, seq: Sequence) -> EngineState:
     """A checked sequence (see requests.new_sequence) joins at the end of the queue. One
     without a generator (its request gave no seed) gets one from the engine's seed and the
@@ -87,6 +91,7 @@ def enqueue(state: EngineState, seq: Sequence) -> EngineState:
     return state
 
 
+@donates
 def add_request(state: EngineState, request: Request) -> EngineState:
     """The request joins the queue; it is admitted at a step when a place and pages are free.
     Raises PromptTooLong or ValueError for a request the engine cannot serve."""
@@ -132,6 +137,7 @@ def retire(
     return state, event
 
 
+@donates
 def cancel_request(state: EngineState, request_id: str) -> EngineState:
     """Stop a request (a no-op for one that is not there): its pages are freed now, and its
     final event, finish_reason "abort", comes out of the next `engine_step`."""
@@ -142,6 +148,7 @@ def cancel_request(state: EngineState, request_id: str) -> EngineState:
     return state
 
 
+@donates
 def end_all(state: EngineState, reason: str, error: str | None = None) -> EngineState:
     """End every request with `reason` ("abort" or "error"); their final events come out of
     the next `engine_step`."""
@@ -155,6 +162,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+@donates
 def forget_cached_kv(state: EngineState) -> EngineState:
     """Call after changing the weights: the prefix cache is dropped, and the K/V of running
     requests (computed with the old weights) is never cached."""

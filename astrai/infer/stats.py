@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from astrai.infer.donation import check_live
 from astrai.infer.pages import num_free_pages
 from astrai.infer.radix import num_cached_pages, num_evictable_pages
 from astrai.infer.state import EngineState
@@ -9,6 +10,7 @@ from astrai.infer.state import EngineState
 
 def engine_stats(state: EngineState) -> dict:
     """Counts of the engine: requests, pages, prefix-cache hits, totals. No clock involved."""
+    check_live(state, "engine_stats")
     s, t, total = state.sched, state.totals, state.engine_config.num_pages
     free = num_free_pages(s.pool)
     cached = num_cached_pages(s.cache) if s.cache is not None else 0

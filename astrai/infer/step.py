@@ -5,14 +5,15 @@
     state, events = engine_step(state, params)     # every request moves one step
 
 `engine_step` plans the step (admission, pages, preemption), runs chunked prefill and one
-decode token for the running sequences (or, when every one of them decodes greedily, a run of
-a few decode steps), samples, detokenizes, applies the stop conditions and returns one
+decode token for the running sequences (or, when every one of them samples from its logits
+alone, a run of a few decode steps), samples, detokenizes, applies the stop conditions and returns one
 StreamEvent per token produced or request finished. Requests join (`add_request`) and leave
 (`cancel_request`) between steps. Nothing here reads a clock or waits: the same state and
 weights give the same events.
 
 The state is donated to every function that takes it, JAX-style: the page pool and the
-sequences are updated in place, and the caller goes on with the state that comes back.
+sequences are updated in place, and the caller goes on with the state that comes back; using
+the one it gave raises DonatedError.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from astrai.infer.constraints import accept_token, allowed_tokens
+from astrai.infer.donation import donates
 from astrai.infer.events import Completion, StreamEvent, collect
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.requests import Request
@@ -119,6 +121,7 @@ def _take_token(
     return retire(state, seq, finish, event=event, stop_text=matched)
 
 
+@donates
 def engine_step(
     state: EngineState, params: Params, step_seconds: float | None = None
 ) -> tuple[EngineState, list[StreamEvent]]:
@@ -212,6 +215,7 @@ def _take_run(
     return state, events
 
 
+@donates
 def run_requests(
     state: EngineState, params: Params, requests: list[Request]
 ) -> tuple[EngineState, list[Completion]]:

@@ -128,9 +128,72 @@ def test_run_requests_completes_a_batch_as_recomputation_does():
         for i, (p, n) in enumerate(requests)
     ]
     fresh = [ai.init_engine(params, cfg, None, page_size=4, max_batch=10) for _ in range(2)]
-    first, second = (ai.run_requests(s, params, sampled)[1] for s in fresh)
+    (state, first), (_, second) = (ai.run_requests(s, params, sampled) for s in fresh)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
-    assert engine_stats(fresh[0])["pages_used"] == 0
+    assert engine_stats(state)["pages_used"] == 0
+
+
+def unseeded_events(params, cfg, requests, **settings):
+    """Every event of sampled requests that give no seed, through engine_step."""
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=4, **settings)
+    for i, (prompt, n) in enumerate(requests):
+        sampling = ai.SamplingParams(max_tokens=n, temperature=1.0)
+        state = ai.add_request(state, ai.Request(str(i), prompt, sampling))
+    out = []
+    while state.sched.running or state.sched.waiting or state.final_events:
+        state, events = ai.engine_step(state, params)
+        out += [(e.request_id, e.token_ids, e.finish_reason) for e in events]
+    return out
+
+
+def test_requests_without_a_seed_draw_from_the_engine_seed():
+    params, cfg = make_model("gqa")
+    requests = mixed_requests(cfg, 6, seed=3)
+    first = unseeded_events(params, cfg, requests, seed=7)
+    assert first == unseeded_events(params, cfg, requests, seed=7)
+    assert first != unseeded_events(params, cfg, requests, seed=8)
+
+
+def test_a_donated_engine_state_is_refused():
+    params, cfg = make_model("gqa")
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=16)
+    given = state
+    state = ai.add_request(state, ai.Request("a", [1, 2, 3], ai.SamplingParams(max_tokens=4)))
+    with pytest.raises(ai.DonatedError, match=r"add_request was given .* donated to add_request"):
+        ai.add_request(given, ai.Request("b", [1, 2], ai.SamplingParams(max_tokens=2)))
+    before_step = state
+    state, _ = ai.engine_step(state, params)
+    for reuse in (
+        lambda: ai.engine_step(before_step, params),
+        lambda: ai.cancel_request(before_step, "a"),
+        lambda: engine_stats(before_step),
+    ):
+        with pytest.raises(ai.DonatedError, match="donated to engine_step"):
+            reuse()
+    state = ai.cancel_request(state, "a")
+    state, events = ai.engine_step(state, params)
+    assert events[-1].finish_reason == "abort"
+
+
+def test_a_donated_page_pool_is_refused():
+    pool = ai.init_pages(cfg_small(), num_pages=4, page_size=2)
+    given = pool
+    pool, pages = ai.alloc_pages(pool, 2)
+    with pytest.raises(ai.DonatedError, match=r"page pool .* donated to alloc_pages"):
+        ai.alloc_pages(given, 1)
+    with pytest.raises(ai.DonatedError, match="donated to alloc_pages"):
+        given["k"]
+    freed = ai.free_pages(pool, pages)
+    with pytest.raises(ai.DonatedError, match="donated to free_pages"):
+        num_free_pages(pool)
+    assert num_free_pages(freed) == 4
+    with pytest.raises(ValueError, match="double free"):
+        ai.free_pages(freed, pages)
+    assert num_free_pages(freed) == 4  # a call that raised took nothing
+
+
+def cfg_small():
+    return ai.ModelConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
 
 
 def _events_by_request(params, cfg, requests, decode_run, num_pages=64):
