@@ -13,6 +13,7 @@ from astrai.infer.donation import DonatedError
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
     Completion,
+    Logprob,
     Overloaded,
     PromptTooLong,
     StreamEvent,
@@ -48,7 +49,7 @@ from astrai.infer.state import (
     forget_cached_kv,
     init_engine,
 )
-from astrai.infer.stats import engine_stats
+from astrai.infer.stats import EngineStats, engine_stats
 from astrai.infer.step import engine_step, run_requests
 from astrai.infer.support import products_here
 
@@ -59,7 +60,9 @@ __all__ = [
     "DonatedError",
     "Engine",
     "EngineState",
+    "EngineStats",
     "Int8Matrix",
+    "Logprob",
     "Overloaded",
     "PackedMatrix",
     "PrefixCache",

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from astrai.config import EngineConfig, ModelConfig
@@ -28,7 +29,7 @@ from astrai.infer.pacing import check_room, stats_due, tokens_per_s
 from astrai.infer.prepare import kernels_used, prepare_params
 from astrai.infer.requests import Request, new_sequence
 from astrai.infer.resolve import params_for
-from astrai.infer.sampling import SamplingParams, sampling_params
+from astrai.infer.sampling import SamplingParams, with_fields
 from astrai.infer.sequence import Sequence
 from astrai.infer.state import (
     cancel_request,
@@ -39,19 +40,21 @@ from astrai.infer.state import (
     has_work,
     init_engine,
 )
-from astrai.infer.stats import engine_stats
+from astrai.infer.stats import EngineStats, engine_stats
 from astrai.infer.step import engine_step
+from astrai.model import Params
 
-Params = dict[str, torch.Tensor]
 THREAD_NAME = "astrai-engine"
+Sampling = SamplingParams | None
 
 
 class Engine:
     """Continuous-batching generation over a model, on a background thread.
 
-    engine.generate(prompts, **sampling) blocks for a batch; submit/result, stream and astream
-    serve one request each. Sampling keyword arguments are the fields of SamplingParams;
-    settings are the fields of EngineConfig, as `config` and/or keyword arguments.
+    engine.generate(prompts, sampling) blocks for a batch; submit/result, stream and astream
+    serve one request each. Each takes a SamplingParams and/or its fields as keyword
+    arguments (which win); settings are the fields of EngineConfig, as `config` and/or keyword
+    arguments.
     """
 
     def __init__(
@@ -112,20 +115,22 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompts: list[str | list[int]], **sampling) -> list[Completion]:
+    def generate(
+        self, prompts: list[str | list[int]], sampling: Sampling = None, **fields
+    ) -> list[Completion]:
         """Generate for every prompt, batched (all join before the same step, so the batches,
         and the numbers, do not depend on timing); blocks until all are done."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("generate takes a list of prompts; use submit or stream for one")
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seqs = [self._sequence(p, sampling) for p in prompts]
+        seqs = [self._sequence(p, sampling, fields) for p in prompts]
         self._send(seqs, Sink(events.put))  # one caller's work: checked against max_waiting once
         return wait_all(events, [seq.id for seq in seqs])
 
-    def submit(self, prompt: str | list[int], **sampling) -> str:
+    def submit(self, prompt: str | list[int], sampling: Sampling = None, **fields) -> str:
         """Queue one request and return its id at once; `result(id)` waits for it."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seq = self._sequence(prompt, sampling)
+        seq = self._sequence(prompt, sampling, fields)
         self._results[seq.id] = events
         self._send([seq], Sink(events.put))
         return seq.id
@@ -139,19 +144,19 @@ class Engine:
         del self._results[request_id]
         return completion
 
-    def stream(self, prompt: str | list[int], **sampling) -> Events:
+    def stream(self, prompt: str | list[int], sampling: Sampling = None, **fields) -> Events:
         """Submit now; iterate the request's events. Leaving the loop early cancels it."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seq = self._sequence(prompt, sampling)
+        seq = self._sequence(prompt, sampling, fields)
         self._send([seq], Sink(events.put))
         return Events(events, lambda: self.cancel(seq.id))
 
-    def astream(self, prompt: str | list[int], **sampling) -> Events:
+    def astream(self, prompt: str | list[int], sampling: Sampling = None, **fields) -> Events:
         """stream() for an asyncio event loop: call it inside the loop. Closing the iterator or
         cancelling the task that reads it cancels the request and frees its pages."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        seq = self._sequence(prompt, sampling)
+        seq = self._sequence(prompt, sampling, fields)
         self._send([seq], Sink(events.put_nowait, loop))
         return Events(events, lambda: self.cancel(seq.id))
 
@@ -164,16 +169,16 @@ class Engine:
         cache. Running requests go on with the new weights. Blocks until the swap is done."""
         self._ask(SwapParams(params))
 
-    def call(self, fn: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+    def call(self, fn: Callable[[Params], Any]) -> Any:
         """`fn(weights)` run on the engine thread between two steps, with the weights the engine
         decodes with (read them, don't change them), and its result; blocks until done. Torch
         work of the process stays on the one compute thread (e.g. `forward` to score a prompt)."""
         return self._ask(Call(fn)).result
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals, as
         of the last snapshot (taken between steps, see EngineConfig.stats_interval_ms)."""
-        return dict(self._snapshot)
+        return self._snapshot
 
     def close(self) -> None:
         """Abort what is left and stop the engine thread."""
@@ -205,10 +210,10 @@ class Engine:
         self.kernels = kernels_used(prepared)  # which product each matrix runs, for the logs
         return prepared
 
-    def _sequence(self, prompt, sampling: dict) -> Sequence:
+    def _sequence(self, prompt, sampling: Sampling, fields: dict) -> Sequence:
         if self._closed:
             raise RuntimeError("the engine is closed")
-        sp = sampling if isinstance(sampling, SamplingParams) else sampling_params(**sampling)
+        sp = with_fields(sampling, fields)
         request_id = f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         return new_sequence(self.cfg, self.config, self.tokenizer, Request(request_id, prompt, sp))
 
@@ -337,9 +342,9 @@ class Engine:
     def _take_snapshot(self, now: float) -> None:
         stats = engine_stats(self._state)
         self._snapshot_at = now
-        self._snapshot = {
-            **stats,
-            "waiting": stats["waiting"] + self._queued,
-            "tokens_per_s": tokens_per_s(self._recent, now),
-            "uptime_s": now - self._started_at,
-        }
+        self._snapshot = msgspec.structs.replace(
+            stats,
+            waiting=stats.waiting + self._queued,
+            tokens_per_s=tokens_per_s(self._recent, now),
+            uptime_s=now - self._started_at,
+        )

@@ -25,6 +25,15 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int
 
 
+class Logprob(msgspec.Struct, frozen=True):
+    """A token's log-probability as OpenAI reports it (log_softmax of the raw logits) and the
+    most likely tokens in its place. An echoed prompt's first token has neither (None)."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
+
+
 class StreamEvent(msgspec.Struct):
     """What one step produced for one request. Text is a delta that never holds part of a stop
     string or a broken UTF-8 character; the last event has a finish_reason and usage."""
@@ -32,7 +41,7 @@ class StreamEvent(msgspec.Struct):
     request_id: str
     text: str = ""
     token_ids: list[int] = []
-    logprobs: list[dict] | None = None  # [{"token_id", "logprob", "top": [(id, logprob)]}]
+    logprobs: list[Logprob] | None = None  # when the request asked for them
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
     error: str | None = None
@@ -47,7 +56,7 @@ class Completion(msgspec.Struct):
     token_ids: list[int] = []
     finish_reason: str | None = None
     usage: Usage | None = None
-    logprobs: list[dict] | None = None  # None unless the request asked for them
+    logprobs: list[Logprob] | None = None  # None unless the request asked for them
     stop_reason_text: str | None = None
     error: str | None = None
 

@@ -17,9 +17,9 @@ from astrai.infer.layouts import LAYOUTS
 from astrai.infer.packed import DTYPES
 from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
 from astrai.infer.support import products_here
+from astrai.model import Params
 from astrai.model.layers import FUSED, project
 
-Params = dict[str, torch.Tensor]
 log = logging.getLogger("astrai.infer")
 
 EMBED_KEY = "model.embed_tokens.weight"

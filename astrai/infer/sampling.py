@@ -12,6 +12,7 @@ import msgspec
 import torch
 
 from astrai.infer.constraints import Constraint
+from astrai.infer.events import Logprob
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,6 +67,15 @@ def sampling_params(**kwargs) -> SamplingParams:
         return msgspec.convert(kwargs, SamplingParams, strict=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"bad sampling argument: {exc}".replace("$.", "")) from None
+
+
+def with_fields(sampling: SamplingParams | None, fields: dict) -> SamplingParams:
+    """`sampling` (None: the defaults) with the fields given as keyword arguments replaced,
+    checked as sampling_params checks them."""
+    if not fields:
+        return sampling or SamplingParams()
+    base = msgspec.structs.asdict(sampling) if sampling is not None else {}
+    return sampling_params(**{**base, **fields})
 
 
 Generators = torch.Generator | list[torch.Generator | None] | None
@@ -272,17 +282,16 @@ def sample_requests(
     generators: list[torch.Generator | None],
     histories: list[list[int]],
     allowed: torch.Tensor | None = None,
-) -> list[tuple[int, dict | None]]:
-    """sample_ids as Python ints, each with, when the request asked for log-probs,
-    {"token_id", "logprob", "top"}."""
+) -> list[tuple[int, Logprob | None]]:
+    """sample_ids as Python ints, each with its Logprob when the request asked for them."""
     ids = sample_ids(logits, settings, generators, histories, allowed)
     id_list = ids.tolist()
-    logprobs: list[dict | None] = [None] * len(settings)
+    logprobs: list[Logprob | None] = [None] * len(settings)
     if any(sp.logprobs for sp in settings):
         top_n = max(sp.top_logprobs for sp in settings)
         chosen, top_ids, top_lp = (t.tolist() for t in token_logprobs(logits, ids, top_n))
         for row, sp in enumerate(settings):
             if sp.logprobs:
                 top = list(zip(top_ids[row], top_lp[row]))[: sp.top_logprobs]
-                logprobs[row] = {"token_id": id_list[row], "logprob": chosen[row], "top": top}
+                logprobs[row] = Logprob(id_list[row], chosen[row], top)
     return list(zip(id_list, logprobs))

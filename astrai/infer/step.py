@@ -22,7 +22,7 @@ import torch
 
 from astrai.infer.constraints import accept_token, allowed_tokens
 from astrai.infer.donation import donates
-from astrai.infer.events import Completion, StreamEvent, collect
+from astrai.infer.events import Completion, Logprob, StreamEvent, collect
 from astrai.infer.paged import decode_step, prefill
 from astrai.infer.requests import Request
 from astrai.infer.sampling import sample_ids, sample_requests
@@ -30,8 +30,7 @@ from astrai.infer.scheduler import StepPlan, advance, decode_run_length, fed, pl
 from astrai.infer.sequence import Sequence
 from astrai.infer.state import EngineState, add_request, describe, end_all, retire
 from astrai.infer.text import token_text
-
-Params = dict[str, torch.Tensor]
+from astrai.model import Params
 
 
 def _page_table(seqs: list[Sequence]) -> torch.Tensor:
@@ -101,7 +100,7 @@ def _decode_run(
 
 
 def _take_token(
-    state: EngineState, seq: Sequence, token: int, logprob: dict | None
+    state: EngineState, seq: Sequence, token: int, logprob: Logprob | None
 ) -> tuple[EngineState, StreamEvent]:
     """Append one sampled token: advance its grammar, detokenize it, check the stop
     conditions (see text.token_text), make its event."""
@@ -186,7 +185,7 @@ def _fail(
 
 
 def _take_or_fail(
-    state: EngineState, seq: Sequence, token: int, logprob: dict | None
+    state: EngineState, seq: Sequence, token: int, logprob: Logprob | None
 ) -> tuple[EngineState, StreamEvent]:
     """_take_token; a failure there (a detokenizer's, a grammar's) ends this request alone."""
     try:

@@ -14,13 +14,22 @@ from astrai.model.forward import (
 from astrai.model.hf_config import model_config_from_json
 from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
-from astrai.model.params import DTYPES, canonical_order, init_params, param_shapes
+from astrai.model.params import (
+    DTYPES,
+    Matrix,
+    Params,
+    canonical_order,
+    init_params,
+    param_shapes,
+)
 from astrai.model.rope import apply_rope, rope_tables
 
 __all__ = [
     "DTYPES",
     "IGNORE",
     "CheckpointError",
+    "Matrix",
+    "Params",
     "apply_rope",
     "canonical_order",
     "check_params",

@@ -139,7 +139,7 @@ def sample_group(
     return Samples(
         prompt_ids=rows,
         completion_ids=[c.token_ids for c in done],
-        logprobs=[[lp["logprob"] for lp in c.logprobs] for c in done],
+        logprobs=[[lp.logprob for lp in c.logprobs] for c in done],
         texts=[c.text for c in done],
         group_ids=[i // G for i in range(len(rows))],
         truncated=[c.finish_reason == "length" for c in done],

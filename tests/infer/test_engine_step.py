@@ -62,7 +62,7 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
 
     stats = engine_stats(state)
     assert len(finals) == 64
-    assert stats["preemptions"] > 0 and stats["cached_tokens"] > 0
+    assert stats.preemptions > 0 and stats.cached_tokens > 0
     for i, (prompt, n) in enumerate(requests):
         rid = f"r{i}"
         expected = greedy_reference(params, cfg, prompt, n)
@@ -73,7 +73,7 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
             assert tokens[rid] == expected, rid
         assert finals[rid].usage.completion_tokens == len(tokens[rid])
     assert sum(e.finish_reason == "abort" for e in finals.values()) >= 4
-    assert stats["pages_used"] == 0
+    assert stats.pages_used == 0
     state = forget_cached_kv(state)  # the prefix cache hands its pages back too
     assert num_free_pages(state.sched.pool) == free_at_start
 
@@ -130,7 +130,7 @@ def test_run_requests_completes_a_batch_as_recomputation_does():
     fresh = [ai.init_engine(params, cfg, None, page_size=4, max_batch=10) for _ in range(2)]
     (state, first), (_, second) = (ai.run_requests(s, params, sampled) for s in fresh)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
-    assert engine_stats(state)["pages_used"] == 0
+    assert engine_stats(state).pages_used == 0
 
 
 def unseeded_events(params, cfg, requests, **settings):
@@ -242,5 +242,5 @@ def test_decode_runs_give_what_single_steps_give(decode_run):
         assert runs == single
         assert run_calls < single_calls
         assert single["b"][-1][1] == "stop"  # it stopped on the token, inside a run
-        assert engine_stats(state)["pages_used"] == 0
-        assert num_free_pages(state.sched.pool) + engine_stats(state)["pages_cached"] == num_pages
+        assert engine_stats(state).pages_used == 0
+        assert num_free_pages(state.sched.pool) + engine_stats(state).pages_cached == num_pages
