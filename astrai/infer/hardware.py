@@ -2,8 +2,8 @@
 
 bfloat16 halves the bytes every decode step reads, but it only pays where the hardware
 multiplies bf16 natively: CUDA, Intel AMX, AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper
-Lake and later), Arm's BF16 extension. Elsewhere (an AVX2-only CPU) torch emulates it, and a
-bf16 product there measured 7-100x slower than float32.
+Lake and later), Arm's BF16 extension. Elsewhere (an AVX2-only CPU) torch emulates it, many
+times slower than a float32 product.
 """
 
 from __future__ import annotations

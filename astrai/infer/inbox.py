@@ -1,4 +1,5 @@
-"""The messages callers send to the Engine thread: one typed union, matched by class."""
+"""What callers and the Engine thread share: the messages callers send (one typed union,
+matched by class) and the count of requests waiting, which admission reads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.infer.delivery import Sink
+from astrai.infer.pacing import check_room
 from astrai.infer.sequence import Sequence
 
 
@@ -53,3 +55,26 @@ class Started:
 
 
 Message = Submit | Cancel | SwapParams | Call | Close
+
+
+@dataclass(eq=False)
+class Waiting:
+    """Requests that wait: those sent and not yet taken by the engine thread (callers add, the
+    thread takes), and those waiting in its state as the thread last counted them. Callers
+    never read the engine state; they read these."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: int = 0
+    in_state: int = 0
+
+    def admit(self, n: int, max_waiting: int) -> None:
+        """n requests of one caller join, or Overloaded (see pacing.check_room)."""
+        with self.lock:
+            check_room(self.sent + self.in_state, max_waiting)
+            self.sent += n
+
+    def taken(self, n: int, in_state: int) -> None:
+        """The thread took n sent requests; `in_state` wait in its state now."""
+        with self.lock:
+            self.sent -= n
+            self.in_state = in_state

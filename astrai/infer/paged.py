@@ -14,7 +14,6 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.infer.pages import Pool, page_size_of, passed_on
-from astrai.infer.prepare import prepare_params  # noqa: F401  (its home before prepare.py)
 from astrai.model import Params, decode_layers, embed, lm_head
 from astrai.model.forward import window_mask
 from astrai.model.layers import cast

@@ -120,12 +120,11 @@ def apply_penalties(logits, recent_tokens, repetition, frequency, presence):
 def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
     """logits [B, V] -> [B]: the first index of each row's maximum, as `argmax(-1)` gives it.
 
-    On CPU, torch's argmax over a 32k vocabulary is ~15x slower than its vectorised max (0.9
-    against 0.05 ms for 64 rows here), so the max of each block of `block` logits is taken
-    first, then the first block holding the row's maximum, then the first index inside it.
-    Below 8 rows the one pass of argmax costs less than the blocks' six small ops do, right
-    after the head's product has pushed everything else out of the caches (measured in a decode
-    step: 24 against 30-60 us for one row, 105 against 86 us for 8)."""
+    On CPU, torch's argmax over a large vocabulary is much slower than its vectorised max, so
+    the max of each block of `block` logits is taken first, then the first block holding the
+    row's maximum, then the first index inside it. Below 8 rows the one pass of argmax costs
+    less than the blocks' six small ops do, right after the head's product has pushed
+    everything else out of the caches (figures in docs/inference.md)."""
     B, V = logits.shape
     if logits.device.type != "cpu" or B < 8 or V % block or block * 8 > V:
         return logits.argmax(-1)
@@ -235,8 +234,8 @@ def sample_ids(
     penalties); allowed the rows' masks of allowed tokens (see constraints.allowed_tokens),
     None when no row is constrained."""
     if allowed is None and all(_plain_greedy(sp) for sp in settings):
-        # what `sample` would do for these rows, without its checks: a step of one stream
-        # spends ~40 us on them, as much as on the argmax
+        # what `sample` would do for these rows, without its checks, which for one stream
+        # cost as much as the argmax
         return argmax_rows(logits)
 
     def per_row(name: str):
