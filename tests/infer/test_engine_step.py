@@ -78,13 +78,16 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
     assert num_free_pages(state.sched.pool) == free_at_start
 
 
-def run_sampled(params, cfg, requests):
-    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=6)
+def run_sampled(params, cfg, requests, seeded=True, **settings):
+    """Every event of sampled requests arriving a step apart (seeded, or drawing from the
+    engine's seed), through 200 engine steps."""
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=6, **settings)
     out = []
     for step in range(200):
         if step < len(requests):
             prompt, n = requests[step]
-            sampling = ai.SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, seed=step)
+            seed = step if seeded else None
+            sampling = ai.SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, seed=seed)
             state = ai.add_request(state, ai.Request(str(step), prompt, sampling))
         state, events = ai.engine_step(state, params)
         out += [(e.request_id, e.token_ids, e.finish_reason) for e in events]
@@ -133,25 +136,12 @@ def test_run_requests_completes_a_batch_as_recomputation_does():
     assert engine_stats(state).pages_used == 0
 
 
-def unseeded_events(params, cfg, requests, **settings):
-    """Every event of sampled requests that give no seed, through engine_step."""
-    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=4, **settings)
-    for i, (prompt, n) in enumerate(requests):
-        sampling = ai.SamplingParams(max_tokens=n, temperature=1.0)
-        state = ai.add_request(state, ai.Request(str(i), prompt, sampling))
-    out = []
-    while state.sched.running or state.sched.waiting or state.final_events:
-        state, events = ai.engine_step(state, params)
-        out += [(e.request_id, e.token_ids, e.finish_reason) for e in events]
-    return out
-
-
 def test_requests_without_a_seed_draw_from_the_engine_seed():
     params, cfg = make_model("gqa")
     requests = mixed_requests(cfg, 6, seed=3)
-    first = unseeded_events(params, cfg, requests, seed=7)
-    assert first == unseeded_events(params, cfg, requests, seed=7)
-    assert first != unseeded_events(params, cfg, requests, seed=8)
+    first = run_sampled(params, cfg, requests, seeded=False, seed=7)
+    assert first == run_sampled(params, cfg, requests, seeded=False, seed=7)
+    assert first != run_sampled(params, cfg, requests, seeded=False, seed=8)
 
 
 def test_a_donated_engine_state_is_refused():
