@@ -198,7 +198,7 @@ def _take_run(
     state: EngineState, params: Params, seqs: list[Sequence], steps: int, events: list
 ) -> tuple[EngineState, list[StreamEvent]]:
     """The decode run of engine_step: the model's steps, then each row's tokens in order up
-    to its end, as if they had come one step at a time."""
+    to its end, as if each had come in a step of its own."""
     try:
         state, runs = _decode_run(state, params, seqs, steps)
     except Exception as exc:
