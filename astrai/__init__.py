@@ -11,6 +11,7 @@ subpackages (astrai.model, astrai.data, astrai.train, astrai.infer, astrai.serve
 from astrai.config import ConfigError, EngineConfig, ModelConfig, ServeConfig, TrainConfig
 from astrai.infer import (
     Completion,
+    DonatedError,
     Engine,
     Request,
     SamplingParams,
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "Completion",
     "ConfigError",
+    "DonatedError",
     "Engine",
     "EngineConfig",
     "ModelConfig",

@@ -937,8 +937,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The engine's size and batching: the settings of `Engine` and `init_engine`."""
 
     num_pages: int | None = None
-    """KV pages in the pool. Not set: room for `max_batch` full-length sequences, capped at 1 GiB
-    of K/V (but never less than one full-length sequence)."""
+    """KV pages in the pool. Not set: room for `max_batch` full-length sequences, capped at
+    `max_pool_bytes` of K/V (but never less than one full-length sequence)."""
     page_size: int = 16
     """Tokens per KV page; also the unit the prefix cache shares."""
     max_batch: int = 64
@@ -981,10 +981,24 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grammar): each request gets up to
     this many tokens from one engine step, and the scheduling, the stop checks and the
     hand-over of events happen once per run instead of once per token. A request that ends
-    inside a run wastes the rest of its row's steps. The Engine runs one step at a time while
-    messages wait, and as many steps as take about 20 ms by the last step's time (rounded to
-    the nearest count), so a new request or a cancel waits about that long at most. 1: one
-    token per step."""
+    inside a run wastes the rest of its row's steps. A run is also kept within
+    `decode_run_ms` by the measured time of a step. 1: one token per step."""
+    decode_run_ms: float = 20.0
+    """The time a decode run may take, by the caller's measure of one step's time (the Engine
+    measures its last step; rounded to the nearest count of steps): a request or a cancel that
+    arrives during a run waits about this long at most. A thread-free `engine_step` given no
+    step time runs `decode_run` steps."""
+    seed: int = 0
+    """Where the random generators of requests given no seed come from: the n-th such request
+    of an engine draws from a seed mixed from this and n, so the same settings, weights and
+    requests give the same events."""
+    stats_interval_ms: float = 50.0
+    """How old the Engine's stats snapshot gets at most while it is busy. Counting the pages is
+    not free, so the snapshot is not taken at every step; it is taken at once after new
+    messages, before final events go out and when the engine falls idle."""
+    max_pool_bytes: int = 1 << 30
+    """The K/V pool's size when `num_pages` is not set: room for `max_batch` full-length
+    sequences, capped at this many bytes (but never less than one full-length sequence)."""
     stream_interval_ms: float = 20.0
     """How often at most a request's reader is handed new tokens (`Engine.stream`, `astream`,
     every stream of `just serve`): tokens that come sooner wait, at most this long, and go out
@@ -994,8 +1008,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step."""
 
     def __post_init__(self) -> None:
-        _require_positive(self, "page_size", "max_batch", "prefill_chunk", "decode_run")
-        _require_non_negative(self, "max_waiting", "stream_interval_ms")
+        _require_positive(
+            self, "page_size", "max_batch", "prefill_chunk", "decode_run", "max_pool_bytes"
+        )
+        _require_non_negative(
+            self, "max_waiting", "stream_interval_ms", "decode_run_ms", "stats_interval_ms"
+        )
         for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")

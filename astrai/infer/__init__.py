@@ -18,9 +18,11 @@ from astrai.infer.draft import (
     draft_rollback,
     init_draft,
 )
+from astrai.infer.donation import DonatedError
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
     Completion,
+    Logprob,
     Overloaded,
     PromptTooLong,
     StreamEvent,
@@ -50,31 +52,33 @@ from astrai.infer.radix import (
     insert_prefix,
     match_prefix,
 )
+from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams, sample, sample_requests, token_logprobs
 from astrai.infer.speculative import discard_after, verify_forward
 from astrai.infer.speculative_loop import SpecStats, speculative_generate
-from astrai.infer.step import (
+from astrai.infer.state import (
     EngineState,
-    Request,
     add_request,
     cancel_request,
-    engine_stats,
-    engine_step,
     forget_cached_kv,
     init_engine,
-    run_requests,
 )
+from astrai.infer.stats import EngineStats, engine_stats
+from astrai.infer.step import engine_step, run_requests
 from astrai.infer.support import products_here
 
 __all__ = [
     "Completion",
     "Constraint",
     "ConstraintError",
+    "DonatedError",
     "DraftState",
     "Engine",
     "EngineState",
+    "EngineStats",
     "Int4Matrix",
     "Int8Matrix",
+    "Logprob",
     "LookupIndex",
     "Overloaded",
     "PackedMatrix",

@@ -3,17 +3,14 @@
 glibc's malloc returns a freed block above its mmap threshold to the OS at once, and trims the
 heap's free top past its trim threshold; both thresholds follow the largest block freed so far,
 so a run of temporaries each larger than the last (a prefill's activations) maps and zeroes
-fresh pages every time. A float32 prefill of 4 x 512 tokens on the small benchmark model took
-41,000-90,000 page faults and 450-590 ms on AMD Zen 4; with the mmap threshold at glibc's
-32 MiB ceiling and the trim threshold at 1 GiB it took 200-1,600 faults and 380-455 ms.
-Decoding, whose temporaries are small, faulted no page either way.
+fresh pages every time. Raising both thresholds keeps those pages with the process (the
+measurements are in docs/inference.md, "Measurements behind the code").
 
 The price is memory: up to 1 GiB freed by the process stays with it, to be reused. Blocks above
 32 MiB are still mapped and unmapped each time (glibc allows no higher threshold).
 
-prepare_params turns this on once the prepared weights are allocated: bf16 weights allocated
-after it (from the heap rather than in pages of their own) decoded 3-7% slower in two
-interleaved runs of the small model, and the same placed before it decoded as fast as without.
+prepare_params turns this on once the prepared weights are allocated, so that the weights get
+pages of their own rather than heap blocks between temporaries.
 """
 
 from __future__ import annotations

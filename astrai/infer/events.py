@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -24,6 +25,15 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int
 
 
+class Logprob(msgspec.Struct, frozen=True):
+    """A token's log-probability as OpenAI reports it (log_softmax of the raw logits) and the
+    most likely tokens in its place. An echoed prompt's first token has neither (None)."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
+
+
 class StreamEvent(msgspec.Struct):
     """What one step produced for one request. Text is a delta that never holds part of a stop
     string or a broken UTF-8 character; the last event has a finish_reason and usage."""
@@ -31,7 +41,7 @@ class StreamEvent(msgspec.Struct):
     request_id: str
     text: str = ""
     token_ids: list[int] = []
-    logprobs: list[dict] | None = None  # [{"token_id", "logprob", "top": [(id, logprob)]}]
+    logprobs: list[Logprob] | None = None  # when the request asked for them
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
     error: str | None = None
@@ -46,7 +56,7 @@ class Completion(msgspec.Struct):
     token_ids: list[int] = []
     finish_reason: str | None = None
     usage: Usage | None = None
-    logprobs: list[dict] | None = None  # None unless the request asked for them
+    logprobs: list[Logprob] | None = None  # None unless the request asked for them
     stop_reason_text: str | None = None
     error: str | None = None
 
@@ -69,6 +79,34 @@ def collect(events) -> Completion:
     for event in events:
         add_event(completion, event)
     return completion
+
+
+def wait_all(events: queue.SimpleQueue, request_ids: list[str]) -> list[Completion]:
+    """Read events from one queue until every request in request_ids finished -> their
+    Completions, in that order."""
+    by_id: dict[str, list[StreamEvent]] = {rid: [] for rid in request_ids}
+    remaining = len(by_id)
+    while remaining:
+        event = events.get()
+        by_id[event.request_id].append(event)
+        remaining -= event.finish_reason is not None
+    return [collect(by_id[rid]) for rid in request_ids]
+
+
+def wait_one(events: queue.SimpleQueue, request_id: str, timeout: float | None) -> Completion:
+    """Read one request's events until it finished -> its Completion; TimeoutError after
+    `timeout` seconds (None: wait), with the events read so far put back for a later call."""
+    collected = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not collected or collected[-1].finish_reason is None:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            collected.append(events.get(timeout=wait))
+        except queue.Empty:
+            for event in collected:  # the queue is empty: they go back in order
+                events.put(event)
+            raise TimeoutError(f"request {request_id} is not done yet") from None
+    return collect(collected)
 
 
 class Events:

@@ -2,12 +2,13 @@
 
 bfloat16 halves the bytes every decode step reads, but it only pays where the hardware
 multiplies bf16 natively: CUDA, Intel AMX, AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper
-Lake and later), Arm's BF16 extension. Elsewhere (an AVX2-only CPU) torch emulates it, and a
-bf16 product there measured 7-100x slower than float32.
+Lake and later), Arm's BF16 extension. Elsewhere (an AVX2-only CPU) torch emulates it, many
+times slower than a float32 product.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -62,3 +63,13 @@ def describe_dtype_choice(device: str | torch.device) -> str:
     else:
         why = device.type
     return f"dtype auto: {dtype} ({why})"
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling OS thread a name (Linux; elsewhere nothing happens), so that tools such
+    as top -H, and the threads it starts, show where they come from."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME

@@ -1,10 +1,8 @@
 """Float matrices in oneDNN's blocked layout: torch's own CPU matmul library, with the weight
 reordered once at load into the tiles its kernels read, as inductor's frozen graphs do.
 
-On AMD Zen 4 a one-row product of the small benchmark model's head (32000 x 512) took 1.3 ms
-packed against 2.6 ms for the fastest plain layout in float32, and 0.50 against 1.40 ms in
-bfloat16; at 16 rows 3.2 against 9.8 ms. Whether it wins on the running machine is measured at
-load (astrai.infer.prepare), like every other layout.
+Whether it beats the plain layouts on the running machine is measured at load
+(astrai.infer.prepare), like every other layout.
 """
 
 from __future__ import annotations

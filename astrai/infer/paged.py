@@ -5,7 +5,7 @@ A page table row lists the pages of one sequence in order: token position p live
 hold any valid page index; the attention mask hides them.
 
 Both functions donate the pool: new K/V are written into its buffers in place with index
-operations, and the same pool comes back. Use the returned pool, never the one passed in.
+operations, and the pool comes back. Use the returned pool: the one passed in is emptied.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ from __future__ import annotations
 import torch
 
 from astrai.config import ModelConfig
-from astrai.infer.pages import Pool, page_size_of
-from astrai.infer.prepare import prepare_params  # noqa: F401  (its home before prepare.py)
-from astrai.model import decode_layers, embed, lm_head
+from astrai.infer.pages import Pool, page_size_of, passed_on
+from astrai.model import Params, decode_layers, embed, lm_head
 from astrai.model.forward import window_mask
 from astrai.model.layers import cast
-
-Params = dict[str, torch.Tensor]
 
 
 def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora):
@@ -116,7 +113,7 @@ def prefill(
     positions, valid, last = _chunk(tokens, start_pos, lengths)
     hidden = _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     hidden = hidden[torch.arange(len(tokens), device=tokens.device), last]
-    return lm_head(params, cfg, hidden).float(), pool
+    return lm_head(params, cfg, hidden).float(), passed_on(pool, "prefill")
 
 
 def prefill_logits(
@@ -136,7 +133,8 @@ def prefill_logits(
     hidden = _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     B, T = tokens.shape
     # the packed weight layouts take rows, not [B, T] batches
-    return lm_head(params, cfg, hidden.flatten(0, 1)).float().view(B, T, -1), pool
+    logits = lm_head(params, cfg, hidden.flatten(0, 1)).float().view(B, T, -1)
+    return logits, passed_on(pool, "prefill_logits")
 
 
 def decode_step(
@@ -154,4 +152,4 @@ def decode_step(
     hidden = _paged_layers(
         params, cfg, pool, tokens[:, None], positions[:, None], page_table, None, lora
     )
-    return lm_head(params, cfg, hidden[:, 0]).float(), pool
+    return lm_head(params, cfg, hidden[:, 0]).float(), passed_on(pool, "decode_step")

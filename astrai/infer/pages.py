@@ -6,7 +6,8 @@ compressed latent and the rope key, not expanded K/V. A page with refs == 0 is f
 holder (a running sequence, the prefix cache) counts once.
 
 All functions here take the pool and return it. The pool is donated: buffers are updated in
-place for speed, so the caller must use the returned pool and never the one it passed in.
+place for speed, so the caller must use the returned pool and never the one it passed in. The
+pool passed in is emptied and marked: reading it again raises DonatedError.
 """
 
 from __future__ import annotations
@@ -14,9 +15,30 @@ from __future__ import annotations
 import torch
 
 from astrai.config import ModelConfig
+from astrai.infer.donation import donated_error
 from astrai.model import kv_shapes
 
-Pool = dict[str, torch.Tensor]
+
+class Pool(dict):
+    """The pool's pytree, a dict of tensors. Once donated it is empty, and reading it raises
+    DonatedError naming the function it went to."""
+
+    donated_to: str | None = None
+
+    def __missing__(self, key):
+        if self.donated_to is not None:
+            raise donated_error("page pool", self.donated_to)
+        raise KeyError(key)
+
+
+def passed_on(pool: Pool, to: str) -> Pool:
+    """The pool once `to` has used it: the same buffers in a new Pool. The one given is emptied
+    and marked donated to `to`."""
+    new = Pool(pool)
+    pool.clear()
+    if isinstance(pool, Pool):
+        pool.donated_to = to
+    return new
 
 
 def init_pages(
@@ -31,11 +53,11 @@ def init_pages(
         raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
     k_shape, v_shape = kv_shapes(cfg)
     L = cfg.num_hidden_layers
-    return {
-        "k": torch.zeros(L, num_pages, page_size, *k_shape, dtype=dtype, device=device),
-        "v": torch.zeros(L, num_pages, page_size, *v_shape, dtype=dtype, device=device),
-        "refs": torch.zeros(num_pages, dtype=torch.int32),
-    }
+    return Pool(
+        k=torch.zeros(L, num_pages, page_size, *k_shape, dtype=dtype, device=device),
+        v=torch.zeros(L, num_pages, page_size, *v_shape, dtype=dtype, device=device),
+        refs=torch.zeros(num_pages, dtype=torch.int32),
+    )
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -56,10 +78,10 @@ def alloc_pages(pool: Pool, n: int) -> tuple[Pool, list[int] | None]:
     n pages are free: nothing is taken then, and the caller decides what to give up."""
     free = torch.nonzero(pool["refs"] == 0).flatten()
     if len(free) < n:
-        return pool, None
+        return passed_on(pool, "alloc_pages"), None
     pages = free[:n]
     pool["refs"][pages] = 1
-    return pool, pages.tolist()
+    return passed_on(pool, "alloc_pages"), pages.tolist()
 
 
 def share_pages(pool: Pool, pages: list[int]) -> Pool:
@@ -68,7 +90,7 @@ def share_pages(pool: Pool, pages: list[int]) -> Pool:
     if len(index) and bool((pool["refs"][index] <= 0).any()):
         raise ValueError(f"cannot share free pages: {pages}")
     pool["refs"].index_add_(0, index, torch.ones(len(index), dtype=torch.int32))
-    return pool
+    return passed_on(pool, "share_pages")
 
 
 def free_pages(pool: Pool, pages: list[int]) -> Pool:
@@ -77,4 +99,4 @@ def free_pages(pool: Pool, pages: list[int]) -> Pool:
     if len(index) and bool((pool["refs"][index] <= 0).any()):
         raise ValueError(f"double free: some of {pages} are already free")
     pool["refs"].index_add_(0, index, torch.full((len(index),), -1, dtype=torch.int32))
-    return pool
+    return passed_on(pool, "free_pages")

@@ -19,9 +19,9 @@ from astrai.infer.layouts import LAYOUTS
 from astrai.infer.packed import DTYPES
 from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
 from astrai.infer.support import products_here
+from astrai.model import Params
 from astrai.model.layers import FUSED, project
 
-Params = dict[str, torch.Tensor]
 log = logging.getLogger("astrai.infer")
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -55,11 +55,10 @@ def _fastest_layout(
     out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
 ) -> str:
     """The layout of LAYOUTS, among those that run here, in which [out, in] matrices multiply
-    fastest. The columns layout won 2x on an AVX2 machine and nothing on an AMX one, and
-    oneDNN's packing 2-3x on AMD Zen 4, so it is measured, the way a decode step reads the
-    matrices (streamed one after the other, not one read again from cache): a pass over
-    `copies` matrices of the shape (as many as the model has) at each of TUNE_ROWS rows, best
-    of three alternating rounds."""
+    fastest. Which one wins differs from machine to machine, so it is measured, the way a
+    decode step reads the matrices (streamed one after the other, not one read again from
+    cache): a pass over `copies` matrices of the shape (as many as the model has) at each of
+    TUNE_ROWS rows, best of three alternating rounds."""
     plain = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
     inputs = [torch.full((rows, in_features), 0.5, dtype=dtype) for rows in TUNE_ROWS]
 

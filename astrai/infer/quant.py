@@ -70,7 +70,7 @@ def _reduce_range() -> bool:
 
 
 # The C++ entry of the op: its Python wrapper looks through every argument for fake script
-# objects (the packed weight is a script object), ~1.5 us of a ~10 us call at one row.
+# objects (the packed weight is a script object), a cost the size of the product at one row.
 _LINEAR_DYNAMIC = getattr(
     torch.ops.quantized.linear_dynamic.default, "_op", torch.ops.quantized.linear_dynamic
 )

@@ -19,6 +19,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
 from astrai.infer.pages import Pool, free_pages, share_pages
 
 
@@ -120,3 +122,11 @@ def clear_prefix_cache(cache: PrefixCache, pool: Pool) -> tuple[PrefixCache, Poo
 
 def num_cached_pages(cache: PrefixCache) -> int:
     return len(cache.nodes)
+
+
+def num_evictable_pages(cache: PrefixCache | None, pool: Pool) -> int:
+    """Cached pages that only the cache holds (refs == 1): what `evict` could free."""
+    if cache is None or not cache.nodes:
+        return 0
+    pages = torch.tensor(list(cache.nodes), dtype=torch.long)
+    return int((pool["refs"][pages] == 1).sum())

@@ -12,6 +12,7 @@ import msgspec
 import torch
 
 from astrai.infer.constraints import Constraint
+from astrai.infer.events import Logprob
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,6 +69,15 @@ def sampling_params(**kwargs) -> SamplingParams:
         raise ValueError(f"bad sampling argument: {exc}".replace("$.", "")) from None
 
 
+def with_fields(sampling: SamplingParams | None, fields: dict) -> SamplingParams:
+    """`sampling` (None: the defaults) with the fields given as keyword arguments replaced,
+    checked as sampling_params checks them."""
+    if not fields:
+        return sampling or SamplingParams()
+    base = msgspec.structs.asdict(sampling) if sampling is not None else {}
+    return sampling_params(**{**base, **fields})
+
+
 Generators = torch.Generator | list[torch.Generator | None] | None
 
 
@@ -110,12 +120,11 @@ def apply_penalties(logits, recent_tokens, repetition, frequency, presence):
 def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
     """logits [B, V] -> [B]: the first index of each row's maximum, as `argmax(-1)` gives it.
 
-    On CPU, torch's argmax over a 32k vocabulary is ~15x slower than its vectorised max (0.9
-    against 0.05 ms for 64 rows here), so the max of each block of `block` logits is taken
-    first, then the first block holding the row's maximum, then the first index inside it.
-    Below 8 rows the one pass of argmax costs less than the blocks' six small ops do, right
-    after the head's product has pushed everything else out of the caches (measured in a decode
-    step: 24 against 30-60 us for one row, 105 against 86 us for 8)."""
+    On CPU, torch's argmax over a large vocabulary is much slower than its vectorised max, so
+    the max of each block of `block` logits is taken first, then the first block holding the
+    row's maximum, then the first index inside it. Below 8 rows the one pass of argmax costs
+    less than the blocks' six small ops do, right after the head's product has pushed
+    everything else out of the caches (figures in docs/inference.md)."""
     B, V = logits.shape
     if logits.device.type != "cpu" or B < 8 or V % block or block * 8 > V:
         return logits.argmax(-1)
@@ -266,8 +275,8 @@ def sample_ids(
     penalties); allowed the rows' masks of allowed tokens (see constraints.allowed_tokens),
     None when no row is constrained."""
     if allowed is None and all(_plain_greedy(sp) for sp in settings):
-        # what `sample` would do for these rows, without its checks: a step of one stream
-        # spends ~40 us on them, as much as on the argmax
+        # what `sample` would do for these rows, without its checks, which for one stream
+        # cost as much as the argmax
         return argmax_rows(logits)
 
     def per_row(name: str):
@@ -313,17 +322,16 @@ def sample_requests(
     generators: list[torch.Generator | None],
     histories: list[list[int]],
     allowed: torch.Tensor | None = None,
-) -> list[tuple[int, dict | None]]:
-    """sample_ids as Python ints, each with, when the request asked for log-probs,
-    {"token_id", "logprob", "top"}."""
+) -> list[tuple[int, Logprob | None]]:
+    """sample_ids as Python ints, each with its Logprob when the request asked for them."""
     ids = sample_ids(logits, settings, generators, histories, allowed)
     id_list = ids.tolist()
-    logprobs: list[dict | None] = [None] * len(settings)
+    logprobs: list[Logprob | None] = [None] * len(settings)
     if any(sp.logprobs for sp in settings):
         top_n = max(sp.top_logprobs for sp in settings)
         chosen, top_ids, top_lp = (t.tolist() for t in token_logprobs(logits, ids, top_n))
         for row, sp in enumerate(settings):
             if sp.logprobs:
                 top = list(zip(top_ids[row], top_lp[row]))[: sp.top_logprobs]
-                logprobs[row] = {"token_id": id_list[row], "logprob": chosen[row], "top": top}
+                logprobs[row] = Logprob(id_list[row], chosen[row], top)
     return list(zip(id_list, logprobs))

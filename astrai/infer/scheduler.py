@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
+from astrai.config import EngineConfig
 from astrai.infer.pages import (
     Pool,
     alloc_pages,
@@ -34,6 +33,7 @@ from astrai.infer.radix import (
     init_prefix_cache,
     insert_prefix,
     match_prefix,
+    num_evictable_pages,
 )
 from astrai.infer.sequence import Sequence
 
@@ -42,11 +42,7 @@ from astrai.infer.sequence import Sequence
 class Scheduler:
     pool: Pool
     cache: PrefixCache | None
-    page_size: int
-    max_batch: int
-    prefill_chunk: int
-    chunked_prefill: bool = True
-    prefill_chunk_decoding: int | None = None  # the budget while some sequence decodes
+    config: EngineConfig  # page_size, max_batch, the prefill budgets, chunked_prefill
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # in arrival order
     arrivals: int = 0
@@ -62,19 +58,10 @@ class StepPlan:
     preempted: list[Sequence]
 
 
-def init_scheduler(
-    pool: Pool,
-    page_size: int,
-    max_batch: int,
-    prefill_chunk: int,
-    prefix_cache: bool = True,
-    chunked_prefill: bool = True,
-    prefill_chunk_decoding: int | None = None,
-) -> Scheduler:
-    cache = init_prefix_cache(page_size) if prefix_cache else None
-    return Scheduler(
-        pool, cache, page_size, max_batch, prefill_chunk, chunked_prefill, prefill_chunk_decoding
-    )
+def init_scheduler(pool: Pool, config: EngineConfig) -> Scheduler:
+    """An empty scheduler over `pool`, whose pages hold `config.page_size` tokens each."""
+    cache = init_prefix_cache(config.page_size) if config.prefix_cache else None
+    return Scheduler(pool, cache, config)
 
 
 def add_sequence(s: Scheduler, seq: Sequence) -> Scheduler:
@@ -85,18 +72,14 @@ def add_sequence(s: Scheduler, seq: Sequence) -> Scheduler:
 
 def available_pages(s: Scheduler) -> int:
     """Free pages plus cached pages no sequence holds (they can be evicted)."""
-    free = num_free_pages(s.pool)
-    if s.cache is None or not s.cache.nodes:
-        return free
-    cached = torch.tensor(list(s.cache.nodes), dtype=torch.long)
-    return free + int((s.pool["refs"][cached] == 1).sum())
+    return num_free_pages(s.pool) + num_evictable_pages(s.cache, s.pool)
 
 
 def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
     """Whether a running sequence is still prefilling the next full page of seq's prompt.
     Once it finishes, its prompt is cached and seq reuses those pages instead of computing
     the same K/V again (n choices of one prompt, a shared system prompt)."""
-    end = (matched + 1) * s.page_size
+    end = (matched + 1) * s.config.page_size
     if s.cache is None or end > len(seq.tokens) - 1:
         return False
     head = seq.tokens[:end]
@@ -108,7 +91,7 @@ def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
 def _admit(s: Scheduler) -> Scheduler:
     promised = 0  # pages the prompts admitted in this call will take as they are prefilled
     for seq in list(s.waiting):
-        if len(s.running) >= s.max_batch:
+        if len(s.running) >= s.config.max_batch:
             break
         # never the whole sequence: the last token must be fed to get the next logits
         cached = []
@@ -116,13 +99,13 @@ def _admit(s: Scheduler) -> Scheduler:
             s.cache, cached = match_prefix(s.cache, seq.tokens[:-1])
         if _same_prefix_in_prefill(s, seq, len(cached)):
             continue
-        needed = pages_for(len(seq.tokens), s.page_size) - len(cached)
+        needed = pages_for(len(seq.tokens), s.config.page_size) - len(cached)
         if s.running and needed > available_pages(s) - promised:
             break  # wait for pages rather than thrash; the oldest is always let in
         promised += needed
         s.waiting.remove(seq)
         s.pool = share_pages(s.pool, cached)
-        seq.pages, seq.computed = list(cached), len(cached) * s.page_size
+        seq.pages, seq.computed = list(cached), len(cached) * s.config.page_size
         if seq.cached_tokens < 0:
             seq.cached_tokens = seq.computed
             s.prompt_tokens += seq.prompt_len
@@ -149,7 +132,7 @@ def preempt(s: Scheduler, seq: Sequence) -> Scheduler:
 def _reserve(s: Scheduler, seq: Sequence, end: int, preempted: list[Sequence]) -> Scheduler:
     """Make seq's pages cover tokens [0, end), evicting and preempting newer sequences as
     needed (each preempted one is added to `preempted`, seq itself possibly among them)."""
-    need = pages_for(end, s.page_size) - len(seq.pages)
+    need = pages_for(end, s.config.page_size) - len(seq.pages)
     while need > 0:
         s.pool, pages = alloc_pages(s.pool, need)
         if pages is not None:
@@ -177,11 +160,11 @@ def _whole_prompts(
     width = 0
     for seq in [seq for seq in s.running if seq.pending > 1]:
         width = max(width, seq.pending)
-        if prefill and (len(prefill) + 1) * width > s.prefill_chunk:
+        if prefill and (len(prefill) + 1) * width > s.config.prefill_chunk:
             break
         # a whole prompt takes only pages nobody holds: preempting for it would be undone
         # by the next admission, and the paused streams would never decode again
-        if pages_for(len(seq.tokens), s.page_size) - len(seq.pages) > available_pages(s):
+        if pages_for(len(seq.tokens), s.config.page_size) - len(seq.pages) > available_pages(s):
             break
         s = _reserve(s, seq, seq.computed + seq.pending, preempted)
         prefill.append((seq, seq.pending))
@@ -193,7 +176,7 @@ def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
     (scheduler, plan); the scheduler is donated."""
     s = _admit(s)
     preempted: list[Sequence] = []
-    if not s.chunked_prefill and any(seq.pending > 1 for seq in s.running):
+    if not s.config.chunked_prefill and any(seq.pending > 1 for seq in s.running):
         s, prefill = _whole_prompts(s, preempted)
         if prefill:
             return s, StepPlan([], prefill, preempted)
@@ -206,10 +189,10 @@ def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
                 decode.append(seq)
     prefill: list[tuple[Sequence, int]] = []
     chunk = 0
-    budget = s.prefill_chunk
-    if decode and s.prefill_chunk_decoding is not None:
-        budget = s.prefill_chunk_decoding  # streams wait for this step: keep it short
-    for seq in list(s.running) if s.chunked_prefill else []:  # else no prompt fits now
+    budget = s.config.prefill_chunk
+    if decode and s.config.prefill_chunk_decoding is not None:
+        budget = s.config.prefill_chunk_decoding  # streams wait for this step: keep it short
+    for seq in list(s.running) if s.config.chunked_prefill else []:  # else no prompt fits now
         if seq.pending <= 1 or seq not in s.running:
             continue
         # rows are padded to the first chunk's length; the padded batch stays within budget
@@ -226,10 +209,31 @@ def plan_step(s: Scheduler) -> tuple[Scheduler, StepPlan]:
     return s, StepPlan(decode, prefill, preempted)
 
 
+def decode_run_length(plan: StepPlan, config: EngineConfig, step_seconds: float | None) -> int:
+    """How many decode steps the plan runs back to back (see EngineConfig.decode_run): 1
+    unless the step only decodes, every row already generates (none feeds its prompt's last
+    token) and samples from its logits alone (no penalty window over its tokens, no grammar,
+    no log-probs); then up to `decode_run`, as many as fit `decode_run_ms` at `step_seconds`
+    a step (the caller's measure; None: not measured), and never past a row's max_tokens."""
+    limit = config.decode_run
+    if step_seconds is not None:
+        # rounded, not cut: the measured time includes the caller's own work around the step
+        fit = round(config.decode_run_ms / 1000 / max(step_seconds, 1e-6))
+        limit = min(limit, max(fit, 1))
+    if limit <= 1 or plan.prefill or not plan.decode:
+        return 1
+    for seq in plan.decode:
+        sp = seq.sampling
+        if seq.generated == 0 or seq.matcher is not None or sp.has_penalties or sp.logprobs:
+            return 1
+        limit = min(limit, seq.max_len - len(seq.tokens))
+    return max(limit, 1)
+
+
 def reserve_run(s: Scheduler, seqs: list[Sequence], steps: int) -> tuple[Scheduler, bool]:
     """Pages for `steps` more tokens of each decoding sequence in seqs, taken from the free
     pages only (no eviction, no preemption): for all of them, or for none and False."""
-    need = [pages_for(seq.computed + steps, s.page_size) - len(seq.pages) for seq in seqs]
+    need = [pages_for(seq.computed + steps, s.config.page_size) - len(seq.pages) for seq in seqs]
     if sum(need) > num_free_pages(s.pool):
         return s, False
     for seq, n in zip(seqs, need):
@@ -254,15 +258,22 @@ def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> Schedule
 
 
 def advance(s: Scheduler, plan: StepPlan) -> Scheduler:
-    """Record that the model ran the plan: the fed tokens' K/V are now in the pages. A prompt
-    whose last token was just fed is offered to the prefix cache, so requests that arrive
-    while it still runs can share its pages."""
-    fed = [(seq, 1) for seq in plan.decode] + plan.prefill
-    for seq, n in fed:
-        seq.computed += n
-        prompt_done = seq.computed - n < seq.prompt_len <= seq.computed
-        if prompt_done and seq.cacheable and s.cache is not None:
-            s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+    """Record that the model ran the plan: the fed tokens' K/V are now in the pages."""
+    for seq in plan.decode:
+        s = fed(s, seq, 1)
+    for seq, n in plan.prefill:
+        s = fed(s, seq, n)
+    return s
+
+
+def fed(s: Scheduler, seq: Sequence, n: int) -> Scheduler:
+    """Record that the K/V of seq's next n tokens are now in its pages. A prompt whose last
+    token was just fed is offered to the prefix cache, so requests that arrive while it still
+    runs can share its pages."""
+    seq.computed += n
+    prompt_done = seq.computed - n < seq.prompt_len <= seq.computed
+    if prompt_done and seq.cacheable and s.cache is not None:
+        s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
     return s
 
 

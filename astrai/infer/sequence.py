@@ -27,7 +27,7 @@ class Sequence:
     max_len: int = 0  # prompt + max_tokens; 0: no limit (the scheduler's own tests)
     # its text
     decoder: object | None = None  # the tokenizer's stream decoder
-    held: str = ""  # decoded text not yet emitted (it could start a stop string)
+    unsent_text: str = ""  # decoded text not yet emitted (it could start a stop string)
     matcher: object | None = None  # the grammar's state when sampling.constraint is set
     # its pages (the scheduler's)
     arrival: int = 0  # admission order; the newest running sequence is preempted first

@@ -15,7 +15,14 @@ from astrai.model.hf_config import model_config_from_json
 from astrai.model.logprobs import IGNORE, token_logps
 from astrai.model.lora import init_lora, merge_lora
 from astrai.model.lora_folder import AdapterError, load_lora, save_lora
-from astrai.model.params import DTYPES, canonical_order, init_params, param_shapes
+from astrai.model.params import (
+    DTYPES,
+    Matrix,
+    Params,
+    canonical_order,
+    init_params,
+    param_shapes,
+)
 from astrai.model.rope import apply_rope, rope_tables
 
 __all__ = [
@@ -23,6 +30,8 @@ __all__ = [
     "IGNORE",
     "AdapterError",
     "CheckpointError",
+    "Matrix",
+    "Params",
     "apply_rope",
     "canonical_order",
     "check_params",

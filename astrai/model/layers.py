@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 from astrai.model.lora_product import mixed_delta
 from astrai.model.masked_attention import attend_by_products, attend_masked
-
-Params = dict[str, torch.Tensor]
+from astrai.model.params import Params
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
 from astrai.config import ModelConfig
+
+
+class Matrix(Protocol):
+    """A prepared inference weight W [out, in] (astrai.infer's Int8Matrix, PackedMatrix) that
+    brings its own product: `linear(x)` is x @ W.T."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+# The weights pytree, keyed like safetensors: tensors, or prepared matrices for inference.
+Params = dict[str, torch.Tensor | Matrix]
 
 # the dtypes weights are kept in, by the names configs and files use
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -184,7 +184,7 @@ async def stats(state: AppState, request: Request) -> Response:
 
 
 async def metrics(state: AppState, request: Request) -> Response:
-    text = render(state.metrics, state.engine.stats())
+    text = render(state.metrics, msgspec.structs.asdict(state.engine.stats()))
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -15,7 +15,7 @@ import msgspec
 from starlette.responses import Response
 
 from astrai.eval.loglik import score_pairs
-from astrai.infer import Completion, Constraint
+from astrai.infer import Completion, Constraint, Logprob
 from astrai.infer.events import Usage as EngineUsage
 from astrai.serve import sse, structured, tools
 from astrai.serve.chat import chat_prompt, check_token_ids, finite, prompt_ids, token_text
@@ -178,19 +178,17 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def chat_logprobs(tokenizer, entries: list[dict] | None, top: int | None):
+def chat_logprobs(tokenizer, entries: list[Logprob] | None, top: int | None):
     if top is None or not entries:
         return None
     content = []
     for entry in entries:
-        text = token_text(tokenizer, entry["token_id"])
+        text = token_text(tokenizer, entry.token_id)
         alternatives = [
             TopLogprob(t, finite(lp), list(t.encode()))
-            for t, lp in ((token_text(tokenizer, i), lp) for i, lp in entry["top"][:top])
+            for t, lp in ((token_text(tokenizer, i), lp) for i, lp in entry.top[:top])
         ]
-        content.append(
-            TokenLogprob(text, finite(entry["logprob"]), list(text.encode()), alternatives)
-        )
+        content.append(TokenLogprob(text, finite(entry.logprob), list(text.encode()), alternatives))
     return ChoiceLogprobs(content)
 
 
@@ -299,27 +297,27 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
 # ---------------------------------------------------------------- text completions
 
 
-def legacy_logprobs(tokenizer, entries: list[dict] | None, top: int | None, offset: int):
-    """Entries as the engine gives them ({"token_id", "logprob", "top"}); an echoed prompt's
-    first token has None for both, having no context."""
+def legacy_logprobs(tokenizer, entries: list[Logprob] | None, top: int | None, offset: int):
+    """Entries as the engine gives them; an echoed prompt's first token has None for both
+    logprob and top, having no context."""
     if top is None or not entries:
         return None
-    texts = [token_text(tokenizer, e["token_id"]) for e in entries]
+    texts = [token_text(tokenizer, e.token_id) for e in entries]
     offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
     return LegacyLogprobs(
         tokens=texts,
-        token_logprobs=[None if e["logprob"] is None else finite(e["logprob"]) for e in entries],
+        token_logprobs=[None if e.logprob is None else finite(e.logprob) for e in entries],
         top_logprobs=[
             None
-            if e["top"] is None
-            else {token_text(tokenizer, i): finite(lp) for i, lp in e["top"][:top]}
+            if e.top is None
+            else {token_text(tokenizer, i): finite(lp) for i, lp in e.top[:top]}
             for e in entries
         ],
         text_offset=offsets,
     )
 
 
-def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> list[list[dict]]:
+def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> list[list[Logprob]]:
     """Each prompt token's log-probability given the tokens before it, from `forward` on the
     engine's weights, as logprob entries (what lm-evaluation-harness reads from `echo`); the
     first token has none. One prompt per forward pass: a [T, vocab] block of logits at most."""
@@ -330,10 +328,10 @@ def prompt_entries(engine, prompts: list[list[int]], top: int, context: int) -> 
     )
     entries = []
     for ids in prompts:
-        first = [{"token_id": ids[0], "logprob": None, "top": None}] if ids else []
+        first = [Logprob(ids[0], None)] if ids else []
         s = next(scored) if len(ids) > 1 else None
         rest = [] if s is None else [
-            {"token_id": t, "logprob": lp, "top": best}
+            Logprob(t, lp, best)
             for t, lp, best in zip(ids[1:], s.logprobs, s.top or [[]] * len(s.logprobs))
         ]  # fmt: skip
         entries.append(first + rest)

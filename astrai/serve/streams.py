@@ -19,6 +19,7 @@ import anyio
 
 from astrai.infer import Completion, Overloaded, PromptTooLong
 from astrai.infer.events import add_event
+from astrai.infer.sampling import sampling_params
 from astrai.serve.errors import bad_request, overloaded
 from astrai.serve.metrics import Metrics, count_usage, observe
 
@@ -127,12 +128,12 @@ async def open_choices(engine, requests: list[tuple[list[int], dict]], metrics: 
     followers = [i for i in range(len(requests)) if i not in leaders.values()]
     try:
         for i in leaders.values():
-            streams[i] = engine.astream(requests[i][0], **requests[i][1])
+            streams[i] = engine.astream(requests[i][0], sampling_params(**requests[i][1]))
         if followers:
             for i in list(streams):
                 firsts[i] = await anext(streams[i])
             for i in followers:
-                streams[i] = engine.astream(requests[i][0], **requests[i][1])
+                streams[i] = engine.astream(requests[i][0], sampling_params(**requests[i][1]))
     except BaseException as exc:
         await (await _started(streams, {}, metrics, since)).aclose()
         raise _refusal(exc) from None

@@ -28,8 +28,8 @@ from astrai.config import GrpoConfig, ModelConfig, TrainConfig
 from astrai.data import IGNORE, next_batch, open_dataset
 from astrai.eval.scoring import Reward, call_reward, load_reward, record_fields
 from astrai.infer import Request, init_engine, prepare_params, run_requests
+from astrai.infer.resolve import params_for
 from astrai.infer.sampling import sampling_params
-from astrai.infer.step import params_for
 from astrai.tokenizer import Tokenizer
 from astrai.train.batches import BatchSource, rows_per_rank, start_cursor
 from astrai.train.checkpoint import checkpoint_path
@@ -130,14 +130,16 @@ def sample_group(
         for i, (p, s) in enumerate(zip(rows, seeds))
     ]
     with torch.inference_mode():  # no autograd records; the pool and copies die here
-        _, done = run_requests(engine, prepare_params(params_for(engine, params)), requests)
+        _, done = run_requests(
+            engine, prepare_params(params_for(engine.engine_config, params)), requests
+        )
     for c in done:
         if c.finish_reason == "error":
             raise RuntimeError(f"a rollout failed in the inference core: {c.error}")
     return Samples(
         prompt_ids=rows,
         completion_ids=[c.token_ids for c in done],
-        logprobs=[[lp["logprob"] for lp in c.logprobs] for c in done],
+        logprobs=[[lp.logprob for lp in c.logprobs] for c in done],
         texts=[c.text for c in done],
         group_ids=[i // G for i in range(len(rows))],
         truncated=[c.finish_reason == "length" for c in done],

@@ -28,7 +28,7 @@ def wait_until_idle(engine, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
+        if stats.running == 0 and stats.waiting == 0:
             return stats
         time.sleep(0.01)
     raise AssertionError(f"engine still busy: {engine.stats()}")
@@ -36,8 +36,8 @@ def wait_until_idle(engine, timeout=10.0):
 
 def assert_pool_back(engine):
     stats = wait_until_idle(engine)
-    assert stats["pages_used"] == 0
-    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+    assert stats.pages_used == 0
+    assert stats.pages_free + stats.pages_cached == stats.pages_total
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -88,7 +88,7 @@ def test_prefix_cache_hit_equals_miss(kind):
         first = engine.generate([shared + tails[0]], max_tokens=5, **GREEDY)[0]
         second = engine.generate([shared + tails[1]], max_tokens=5, **GREEDY)[0]
         again = engine.generate([shared + tails[0]], max_tokens=5, **GREEDY)[0]
-        assert engine.stats()["prefix_cache_hit_rate"] > 0
+        assert engine.stats().prefix_cache_hit_rate > 0
         assert_pool_back(engine)
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 12  # three full pages of the shared prefix
@@ -103,7 +103,7 @@ def test_preempted_and_recomputed_equals_never_preempted():
     # 14 pages of 4 tokens cannot hold four sequences of ~30 tokens at once
     with Engine(params, cfg, None, num_pages=14, page_size=4, max_seq_len=64) as engine:
         outs = engine.generate(prompts, max_tokens=20, **GREEDY)
-        assert engine.stats()["preemptions"] > 0
+        assert engine.stats().preemptions > 0
         assert_pool_back(engine)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == greedy_reference(params, cfg, prompt, 20)
@@ -135,7 +135,7 @@ def test_sixty_four_concurrent_requests_from_threads():
         for t in threads:
             t.join(timeout=60)
         assert_pool_back(engine)
-        assert engine.stats()["requests_finished"] == 64
+        assert engine.stats().requests_finished == 64
     for i, events in enumerate(results):
         assert events[-1].finish_reason == "length"
         assert sum(len(e.token_ids) for e in events) == 4 + i % 5
@@ -151,11 +151,11 @@ def test_cancelling_a_stream_frees_its_pages():
         stream = engine.stream(prompts_for(cfg, [10])[0], max_tokens=4000, **GREEDY)
         for _ in range(3):
             next(stream)
-        while engine.stats()["pages_used"] == 0:
+        while engine.stats().pages_used == 0:
             time.sleep(0.005)
         stream.close()  # leaving the loop early cancels the request
         assert_pool_back(engine)
-        assert engine.stats()["requests_aborted"] == 1
+        assert engine.stats().requests_aborted == 1
 
         request_id = engine.submit(prompts_for(cfg, [5])[0], max_tokens=4000, **GREEDY)
         engine.cancel(request_id)
@@ -275,11 +275,11 @@ def test_text_prompts_logprobs_and_usage(tokenizer):
     logits = ai.forward(params, cfg, torch.tensor([ids + out.token_ids]))[0, len(ids) - 1 : -1]
     expected = logits.log_softmax(-1)
     for i, entry in enumerate(out.logprobs):
-        assert entry["token_id"] == out.token_ids[i]
+        assert entry.token_id == out.token_ids[i]
         # paged prefill/decode against one forward pass, then log_softmax over the vocabulary
         roundings = forward_roundings(cfg, len(ids) + 4) + cfg.vocab_size
-        assert entry["logprob"] == approx(float(expected[i, out.token_ids[i]]), roundings)
-        assert [t for t, _ in entry["top"]] == expected[i].topk(2).indices.tolist()
+        assert entry.logprob == approx(float(expected[i, out.token_ids[i]]), roundings)
+        assert [t for t, _ in entry.top] == expected[i].topk(2).indices.tolist()
     assert out.text == tokenizer.decode(out.token_ids)
     assert out.usage.prompt_tokens == len(ids)
 
@@ -300,7 +300,7 @@ def test_errors_for_people():
     engine = Engine(params, cfg, None, page_size=4, max_seq_len=64, max_batch=1, max_waiting=1)
     with engine:
         engine.submit([1, 2], max_tokens=60, **GREEDY)  # runs: the batch has one place
-        while engine.stats()["running"] == 0:
+        while engine.stats().running == 0:
             time.sleep(0.005)
         engine.submit([1, 2], max_tokens=2)  # waits for that place
         with pytest.raises(Overloaded):
@@ -332,7 +332,7 @@ def test_a_crashed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
         assert failed.finish_reason == "error" and "boom" in failed.error
         assert_pool_back(engine)
         ok = engine.generate([prompt], max_tokens=5, **GREEDY)[0]
-        assert engine.stats()["requests_failed"] == 1
+        assert engine.stats().requests_failed == 1
     assert ok.token_ids == greedy_reference(params, cfg, prompt, 5)
 
 
@@ -343,7 +343,7 @@ def test_update_params_swaps_weights_and_clears_the_cache():
     with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
         engine.generate([prompt], max_tokens=3, **GREEDY)
         engine.update_params(other)
-        assert engine.stats()["pages_cached"] == 0
+        assert engine.stats().pages_cached == 0
         out = engine.generate([prompt], max_tokens=5, **GREEDY)[0]
     assert out.usage.cached_tokens == 0
     assert out.token_ids == greedy_reference(other, cfg, prompt, 5)
@@ -372,7 +372,7 @@ def test_requests_running_across_update_params_are_not_cached():
         engine.update_params(other)
         assert list(stream)[-1].finish_reason == "length"
         assert_pool_back(engine)
-        assert engine.stats()["pages_cached"] == 0  # its K/V mix old and new weights
+        assert engine.stats().pages_cached == 0  # its K/V mix old and new weights
 
 
 def test_close_aborts_what_is_left():
@@ -383,7 +383,7 @@ def test_close_aborts_what_is_left():
         target=lambda: results.extend(engine.generate([[1, 2, 3]] * 3, max_tokens=4000, **GREEDY))
     )
     waiter.start()
-    while engine.stats()["running"] == 0:
+    while engine.stats().running == 0:
         time.sleep(0.005)
     engine.close()
     waiter.join(timeout=10)
@@ -397,10 +397,10 @@ def test_stats_report_the_engine():
     with Engine(params, cfg, None, page_size=4, max_seq_len=64, num_pages=32) as engine:
         engine.generate(prompts_for(cfg, [5, 6]), max_tokens=3, **GREEDY)
         stats = wait_until_idle(engine)
-    assert stats["pages_total"] == 32
-    assert stats["completion_tokens"] == 6 and stats["requests_finished"] == 2
-    assert stats["prompt_tokens"] == 11
-    assert {"tokens_per_s", "prefix_cache_hit_rate", "running", "waiting"} <= stats.keys()
+    assert stats.pages_total == 32
+    assert stats.completion_tokens == 6 and stats.requests_finished == 2
+    assert stats.prompt_tokens == 11
+    assert isinstance(stats, ai.infer.EngineStats) and stats.uptime_s > 0
 
 
 def test_requests_submitted_together_share_their_prompt_pages():

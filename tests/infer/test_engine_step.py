@@ -43,7 +43,7 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(64)}
     finals: dict[str, ai.StreamEvent] = {}
     step = 0
-    while step == 0 or state.sched.running or state.sched.waiting or state.outbox:
+    while step == 0 or state.sched.running or state.sched.waiting or state.final_events:
         for i in range(8 * step, min(8 * step + 8, 64)):  # eight new requests a step
             prompt, n = requests[i]
             sampling = ai.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -62,7 +62,7 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
 
     stats = engine_stats(state)
     assert len(finals) == 64
-    assert stats["preemptions"] > 0 and stats["cached_tokens"] > 0
+    assert stats.preemptions > 0 and stats.cached_tokens > 0
     for i, (prompt, n) in enumerate(requests):
         rid = f"r{i}"
         expected = greedy_reference(params, cfg, prompt, n)
@@ -73,18 +73,21 @@ def test_64_requests_by_hand_equal_recomputation_and_give_back_every_page(chunke
             assert tokens[rid] == expected, rid
         assert finals[rid].usage.completion_tokens == len(tokens[rid])
     assert sum(e.finish_reason == "abort" for e in finals.values()) >= 4
-    assert stats["pages_used"] == 0
+    assert stats.pages_used == 0
     state = forget_cached_kv(state)  # the prefix cache hands its pages back too
     assert num_free_pages(state.sched.pool) == free_at_start
 
 
-def run_sampled(params, cfg, requests):
-    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=6)
+def run_sampled(params, cfg, requests, seeded=True, **settings):
+    """Every event of sampled requests arriving a step apart (seeded, or drawing from the
+    engine's seed), through 200 engine steps."""
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=40, max_batch=6, **settings)
     out = []
     for step in range(200):
         if step < len(requests):
             prompt, n = requests[step]
-            sampling = ai.SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, seed=step)
+            seed = step if seeded else None
+            sampling = ai.SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, seed=seed)
             state = ai.add_request(state, ai.Request(str(step), prompt, sampling))
         state, events = ai.engine_step(state, params)
         out += [(e.request_id, e.token_ids, e.finish_reason) for e in events]
@@ -128,21 +131,73 @@ def test_run_requests_completes_a_batch_as_recomputation_does():
         for i, (p, n) in enumerate(requests)
     ]
     fresh = [ai.init_engine(params, cfg, None, page_size=4, max_batch=10) for _ in range(2)]
-    first, second = (ai.run_requests(s, params, sampled)[1] for s in fresh)
+    (state, first), (_, second) = (ai.run_requests(s, params, sampled) for s in fresh)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
-    assert engine_stats(fresh[0])["pages_used"] == 0
+    assert engine_stats(state).pages_used == 0
+
+
+def test_requests_without_a_seed_draw_from_the_engine_seed():
+    params, cfg = make_model("gqa")
+    requests = mixed_requests(cfg, 6, seed=3)
+    first = run_sampled(params, cfg, requests, seeded=False, seed=7)
+    assert first == run_sampled(params, cfg, requests, seeded=False, seed=7)
+    assert first != run_sampled(params, cfg, requests, seeded=False, seed=8)
+
+
+def test_a_donated_engine_state_is_refused():
+    params, cfg = make_model("gqa")
+    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=16)
+    given = state
+    state = ai.add_request(state, ai.Request("a", [1, 2, 3], ai.SamplingParams(max_tokens=4)))
+    with pytest.raises(ai.DonatedError, match=r"add_request was given .* donated to add_request"):
+        ai.add_request(given, ai.Request("b", [1, 2], ai.SamplingParams(max_tokens=2)))
+    before_step = state
+    state, _ = ai.engine_step(state, params)
+    for reuse in (
+        lambda: ai.engine_step(before_step, params),
+        lambda: ai.cancel_request(before_step, "a"),
+        lambda: engine_stats(before_step),
+    ):
+        with pytest.raises(ai.DonatedError, match="donated to engine_step"):
+            reuse()
+    state = ai.cancel_request(state, "a")
+    state, events = ai.engine_step(state, params)
+    assert events[-1].finish_reason == "abort"
+
+
+def test_a_donated_page_pool_is_refused():
+    pool = ai.init_pages(cfg_small(), num_pages=4, page_size=2)
+    given = pool
+    pool, pages = ai.alloc_pages(pool, 2)
+    with pytest.raises(ai.DonatedError, match=r"page pool .* donated to alloc_pages"):
+        ai.alloc_pages(given, 1)
+    with pytest.raises(ai.DonatedError, match="donated to alloc_pages"):
+        given["k"]
+    freed = ai.free_pages(pool, pages)
+    with pytest.raises(ai.DonatedError, match="donated to free_pages"):
+        num_free_pages(pool)
+    assert num_free_pages(freed) == 4
+    with pytest.raises(ValueError, match="double free"):
+        ai.free_pages(freed, pages)
+    assert num_free_pages(freed) == 4  # a call that raised took nothing
+
+
+def cfg_small():
+    return ai.ModelConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
 
 
 def _events_by_request(params, cfg, requests, decode_run, num_pages=64):
     """Every request through engine_step with decode runs of up to decode_run steps ->
     ({id: [(token ids, finish_reason, usage)] per event}, engine_step calls, final state)."""
-    state = ai.init_engine(params, cfg, None, page_size=4, num_pages=num_pages, max_batch=8)
+    state = ai.init_engine(
+        params, cfg, None, page_size=4, num_pages=num_pages, max_batch=8, decode_run=decode_run
+    )
     for request in requests:
         state = ai.add_request(state, request)
     events: dict[str, list] = {r.id: [] for r in requests}
     calls = 0
-    while state.sched.running or state.sched.waiting or state.outbox:
-        state, out = ai.engine_step(state, params, decode_run)
+    while state.sched.running or state.sched.waiting or state.final_events:
+        state, out = ai.engine_step(state, params)
         calls += 1
         for e in out:
             events[e.request_id].append((e.token_ids, e.finish_reason, e.usage))
@@ -177,5 +232,5 @@ def test_decode_runs_give_what_single_steps_give(decode_run):
         assert runs == single
         assert run_calls < single_calls
         assert single["b"][-1][1] == "stop"  # it stopped on the token, inside a run
-        assert engine_stats(state)["pages_used"] == 0
-        assert num_free_pages(state.sched.pool) + engine_stats(state)["pages_cached"] == num_pages
+        assert engine_stats(state).pages_used == 0
+        assert num_free_pages(state.sched.pool) + engine_stats(state).pages_cached == num_pages

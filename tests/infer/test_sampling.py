@@ -191,3 +191,17 @@ def test_a_tiny_top_p_keeps_the_most_likely_allowed_token():
         for seed in range(5):
             g = torch.Generator().manual_seed(seed)
             assert int(sample(logits, g, top_p=1e-58, allowed=allowed)) == best
+
+
+def test_with_fields_replaces_the_named_fields_and_checks_them():
+    from astrai.infer.constraints import Constraint
+    from astrai.infer.sampling import with_fields
+
+    base = SamplingParams(max_tokens=5, stop=["x"], constraint=Constraint("start: /[ab]+/"))
+    assert with_fields(base, {}) is base
+    assert with_fields(None, {}) == SamplingParams()
+    assert with_fields(base, {"temperature": 0.0}) == SamplingParams(
+        max_tokens=5, stop=["x"], constraint=Constraint("start: /[ab]+/"), temperature=0.0
+    )
+    with pytest.raises(ValueError, match="temperture"):
+        with_fields(base, {"temperture": 0.5})

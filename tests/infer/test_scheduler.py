@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import astrai as ai
+from astrai.config import EngineConfig
 from astrai.infer import init_pages, num_free_pages
+from astrai.infer.sampling import SamplingParams
 from astrai.infer.scheduler import (
+    StepPlan,
     add_sequence,
     advance,
+    decode_run_length,
     finish_sequence,
     init_scheduler,
     plan_step,
@@ -16,9 +20,12 @@ from astrai.infer.sequence import Sequence
 CFG = ai.ModelConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
 
 
-def scheduler(num_pages=64, page_size=4, max_batch=8, prefill_chunk=16, prefix_cache=True):
+def scheduler(num_pages=64, page_size=4, max_batch=8, prefill_chunk=16, **settings):
     pool = init_pages(CFG, num_pages, page_size)
-    return init_scheduler(pool, page_size, max_batch, prefill_chunk, prefix_cache)
+    config = EngineConfig(
+        page_size=page_size, max_batch=max_batch, prefill_chunk=prefill_chunk, **settings
+    )
+    return init_scheduler(pool, config)
 
 
 def ran(s, plan, sample=7):
@@ -120,8 +127,7 @@ def test_a_prompt_waits_for_the_same_prefix_being_prefilled():
 
 
 def test_without_chunked_prefill_a_step_feeds_whole_prompts_and_decodes_nothing():
-    pool = init_pages(CFG, 64, 4)
-    s = init_scheduler(pool, 4, 8, 16, chunked_prefill=False)
+    s = scheduler(chunked_prefill=False)
     short = Sequence("short", [1, 2, 3], 3)
     s = add_sequence(s, short)
     s, _ = step(s)
@@ -136,8 +142,7 @@ def test_without_chunked_prefill_a_step_feeds_whole_prompts_and_decodes_nothing(
 
 
 def test_while_streams_decode_prompts_get_the_smaller_budget():
-    pool = init_pages(CFG, 64, 4)
-    s = init_scheduler(pool, 4, 8, 16, prefill_chunk_decoding=4)
+    s = scheduler(prefill_chunk_decoding=4)
     first = Sequence("first", list(range(16)) * 2, 3)
     s, plan = step(add_sequence(s, first))
     assert plan.prefill == [(first, 16)] and plan.decode == []  # nobody decodes: all of it
@@ -151,3 +156,39 @@ def test_while_streams_decode_prompts_get_the_smaller_budget():
         assert plan.decode == [first]
         budgets.append(sum(n for _, n in plan.prefill))
     assert budgets == [4] * 12
+
+
+def generating(n_tokens=4, max_len=100, **sampling):
+    """A decoding sequence that has generated a token already."""
+    seq = Sequence("g", list(range(n_tokens)), n_tokens - 1, SamplingParams(**sampling))
+    seq.computed, seq.max_len = n_tokens - 1, max_len
+    return seq
+
+
+def test_decode_run_length_fits_the_time_budget_and_the_rows():
+    config = EngineConfig(decode_run=8, decode_run_ms=20.0)
+    plan = StepPlan([generating(), generating()], [], [])
+    assert decode_run_length(plan, config, None) == 8  # not measured: decode_run
+    assert decode_run_length(plan, config, 0.005) == 4  # 20 ms at 5 ms a step
+    assert decode_run_length(plan, config, 0.0067) == 3  # rounded, not cut (2.98)
+    assert decode_run_length(plan, config, 1.0) == 1  # a slow step runs alone
+    assert decode_run_length(plan, config, 0.0) == 8  # never more than decode_run
+    short = StepPlan([generating(), generating(max_len=6)], [], [])
+    assert decode_run_length(short, config, None) == 2  # never past a row's max_tokens
+
+
+def test_decode_run_length_is_one_unless_every_row_samples_from_its_logits_alone():
+    config = EngineConfig(decode_run=8)
+    one = [
+        StepPlan([generating(), generating(presence_penalty=1.0)], [], []),
+        StepPlan([generating(), generating(logprobs=True)], [], []),
+        StepPlan([generating()], [(generating(), 3)], []),  # a prompt chunk in the step
+        StepPlan([], [], []),
+    ]
+    first = generating()
+    first.prompt_len = len(first.tokens)  # feeds its prompt's last token: nothing generated
+    one.append(StepPlan([first], [], []))
+    assert [decode_run_length(plan, config, None) for plan in one] == [1] * len(one)
+    assert (
+        decode_run_length(StepPlan([generating()], [], []), EngineConfig(decode_run=1), None) == 1
+    )

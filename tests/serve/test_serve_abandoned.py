@@ -20,8 +20,8 @@ class Endless:
     def __init__(self, engine):
         self.engine = engine
 
-    def astream(self, prompt, **sampling):
-        return self.engine.astream(prompt, **sampling, ignore_eos=True)
+    def astream(self, prompt, sampling=None, **fields):
+        return self.engine.astream(prompt, sampling, **fields, ignore_eos=True)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -61,7 +61,7 @@ def test_an_abandoned_request_is_cancelled_and_its_pages_freed(server, api):
         "max_tokens": MAX_TOKENS,
     }
     send_and_leave(url, path, headers, body, engine)
-    wait_for(engine, "requests_aborted", before["requests_aborted"] + 1)
+    wait_for(engine, "requests_aborted", before.requests_aborted + 1)
     stats = wait_until_idle(engine)
-    assert stats["running"] == 0 and stats["pages_used"] == 0
-    assert stats["completion_tokens"] - before["completion_tokens"] < MAX_TOKENS  # cut short
+    assert stats.running == 0 and stats.pages_used == 0
+    assert stats.completion_tokens - before.completion_tokens < MAX_TOKENS  # cut short

@@ -61,8 +61,8 @@ def test_concurrent_streams_complete_and_free_their_pages(server):
     finishes = {finish for _, finish in results}
     assert finishes <= {"stop", "length", "end_turn", "max_tokens"}
     stats = wait_until_idle(engine)
-    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["pages_used"] == 0
-    assert stats["requests_finished"] - before["requests_finished"] == CLIENTS
-    tokens = stats["completion_tokens"] - before["completion_tokens"]
-    steps = stats["steps"] - before["steps"]
+    assert stats.running == 0 and stats.waiting == 0 and stats.pages_used == 0
+    assert stats.requests_finished - before.requests_finished == CLIENTS
+    tokens = stats.completion_tokens - before.completion_tokens
+    steps = stats.steps - before.steps
     assert steps < tokens  # continuous batching: many requests advance in one step

@@ -217,7 +217,7 @@ def test_embeddings_on_a_decoder_and_no_pages_left(server):
     r = http.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     stats = wait_until_idle(engine)
-    assert stats["pages_used"] == 0 and stats["requests_failed"] == 0
+    assert stats.pages_used == 0 and stats.requests_failed == 0
 
 
 # ---------------------------------------------------------------- bodies drawn from the schemas
@@ -401,7 +401,7 @@ def test_zzz_nothing_is_left_running_after_all_of_them(server):
     """Last in this module: after every request above, the engine is idle and holds no pages."""
     http, engine = server
     stats = wait_until_idle(engine)
-    assert stats["running"] == stats["waiting"] == stats["pages_used"] == 0, stats
-    assert stats["requests_failed"] == 0
+    assert stats.running == stats.waiting == stats.pages_used == 0, stats
+    assert stats.requests_failed == 0
     assert http.get("/stats").json()["pages_used"] == 0
     print(f"\nrequests sent: {dict(SENT)}")

@@ -89,14 +89,14 @@ def test_streaming_with_usage(client):
 
 def test_n_choices_share_the_prompt(client, server):
     engine = server[1]
-    cached = engine.stats()["cached_tokens"]
+    cached = engine.stats().cached_tokens
     messages = [{"role": "user", "content": "three answers to one long question, please " * 3}]
     r = chat(client, messages, n=3, max_tokens=5, temperature=1.0, seed=7)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert 3 <= r.usage.completion_tokens <= 15
     pages = r.usage.prompt_tokens // 16  # full pages of the prompt (page_size 16)
     assert pages >= 1
-    assert engine.stats()["cached_tokens"] - cached >= 2 * 16 * pages  # choices 1 and 2 hit
+    assert engine.stats().cached_tokens - cached >= 2 * 16 * pages  # choices 1 and 2 hit
 
 
 def test_n_choices_streamed(client):
@@ -331,6 +331,6 @@ def test_disconnect_mid_stream_frees_pages(server, tiny, n, lines_read):
             next(lines)
         wait_for(engine, "running", n)
     stats = wait_until_idle(engine)
-    assert stats["pages_used"] == 0 and stats["running"] == 0
-    assert stats["requests_aborted"] == before["requests_aborted"] + n
-    assert stats["completion_tokens"] - before["completion_tokens"] < 400 * n  # cut short
+    assert stats.pages_used == 0 and stats.running == 0
+    assert stats.requests_aborted == before.requests_aborted + n
+    assert stats.completion_tokens - before.completion_tokens < 400 * n  # cut short

@@ -45,6 +45,6 @@ def test_overloaded(server, tiny):
             an.messages.create(model=MODEL, messages=HELLO, max_tokens=2)
         assert err.value.body["error"]["type"] == "overloaded_error"
     stats = wait_until_idle(engine)
-    assert stats["pages_used"] == 0 and stats["running"] == 0
+    assert stats.pages_used == 0 and stats.running == 0
     # and once the queue drains, requests are served again
     oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)

@@ -129,20 +129,20 @@ def engine_for(tiny, **kwargs):
         engine.close()
 
 
-def wait_until_idle(engine, timeout: float = 10.0) -> dict:
+def wait_until_idle(engine, timeout: float = 10.0):
     """The engine's stats once nothing runs, waits or holds pages (or the last seen)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        idle = stats["running"] == 0 and stats["waiting"] == 0 and stats["pages_used"] == 0
+        idle = stats.running == 0 and stats.waiting == 0 and stats.pages_used == 0
         if idle or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
 
 
 def wait_for(engine, key: str, value: int, timeout: float = 10.0) -> None:
-    """Until engine.stats()[key] == value (the stats are a snapshot taken between steps)."""
+    """Until engine.stats().<key> == value (the stats are a snapshot taken between steps)."""
     deadline = time.monotonic() + timeout
-    while engine.stats()[key] != value:
+    while getattr(engine.stats(), key) != value:
         assert time.monotonic() < deadline, engine.stats()
         time.sleep(0.01)
