@@ -10,6 +10,7 @@ from astrai.infer.constraints import (
     allowed_tokens,
     start_constraint,
 )
+from astrai.infer.donation import DonatedError
 from astrai.infer.draft import (
     DraftState,
     draft_propose,
@@ -18,7 +19,6 @@ from astrai.infer.draft import (
     draft_rollback,
     init_draft,
 )
-from astrai.infer.donation import DonatedError
 from astrai.infer.engine import Engine
 from astrai.infer.events import (
     Completion,
