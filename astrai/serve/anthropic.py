@@ -1,8 +1,6 @@
 """Anthropic Messages: request -> engine stream -> message JSON or the SSE event sequence.
 
-A conversation is turned into the same template messages the OpenAI side builds (tool_use
-blocks become assistant tool calls, tool_result blocks become tool turns), so one chat
-template serves both APIs. Streams follow Anthropic's order: message_start, then per content
+The conversation becomes a prompt in anthropic_turns.py and engine_requests.py. Streams follow Anthropic's order: message_start, then per content
 block content_block_start / content_block_delta... / content_block_stop (a ping after the
 first start), then message_delta with the stop reason and usage, then message_stop.
 """
@@ -16,10 +14,9 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response
 
-from astrai.infer import Constraint
-from astrai.serve import sse, structured, tools
-from astrai.serve.chat import chat_prompt
-from astrai.serve.errors import APIError, anthropic_body, bad_request, from_decode_error
+from astrai.serve import sse, tools
+from astrai.serve.engine_requests import message_generation, message_prompt
+from astrai.serve.errors import APIError, anthropic_body, decode_body
 from astrai.serve.schemas_anthropic import (
     ContentBlockDelta,
     ContentBlockStart,
@@ -36,141 +33,17 @@ from astrai.serve.schemas_anthropic import (
     OutToolUseBlock,
     Ping,
     StopDelta,
-    TextBlock,
     TextDelta,
     TokenCount,
-    ToolChoiceAny,
-    ToolChoiceNone,
-    ToolChoiceTool,
-    ToolResultBlock,
-    ToolUseBlock,
     Usage,
     event_name,
 )
-from astrai.serve.state import AppState, check_generates, check_model, new_id, token_budget
+from astrai.serve.state import AppState, check_model, new_id
 from astrai.serve.streams import collect, open_choices
 
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 _encode = msgspec.json.Encoder().encode
-
-
-def decode(decoder: msgspec.json.Decoder, body: bytes):
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
-
-
-# ---------------------------------------------------------------- request -> template messages
-
-
-def joined_text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "\n".join(b.text for b in content)
-
-
-def tool_result_turn(block: ToolResultBlock) -> dict:
-    text = joined_text(block.content)
-    return {
-        "role": "tool",
-        "tool_call_id": block.tool_use_id,
-        "content": f"Error: {text}" if block.is_error else text,
-    }
-
-
-def user_turns(blocks: list, where: str) -> list[dict]:
-    """Tool results come first as tool turns, then the user's text (if any) as one turn."""
-    if any(isinstance(b, ToolUseBlock) for b in blocks):
-        raise bad_request(f"{where}: tool_use blocks belong in assistant messages.", where)
-    turns = [tool_result_turn(b) for b in blocks if isinstance(b, ToolResultBlock)]
-    texts = [b.text for b in blocks if isinstance(b, TextBlock)]
-    return turns + ([{"role": "user", "content": "\n".join(texts)}] if texts or not turns else [])
-
-
-def assistant_turn(blocks: list, where: str) -> dict:
-    if any(isinstance(b, ToolResultBlock) for b in blocks):
-        raise bad_request(f"{where}: tool_result blocks belong in user messages.", where)
-    turn = {
-        "role": "assistant",
-        "content": "".join(b.text for b in blocks if isinstance(b, TextBlock)),
-    }
-    calls = [
-        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-        for b in blocks
-        if isinstance(b, ToolUseBlock)
-    ]
-    return {**turn, "tool_calls": calls} if calls else turn
-
-
-def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
-    turns = [] if req.system is None else [{"role": "system", "content": joined_text(req.system)}]
-    for k, message in enumerate(req.messages):
-        content = message.content
-        if isinstance(content, str):
-            turns.append({"role": message.role, "content": content})
-        elif message.role == "assistant":
-            turns.append(assistant_turn(content, f"messages[{k}].content"))
-        else:
-            turns += user_turns(content, f"messages[{k}].content")
-    return turns
-
-
-def message_tools(req: MessagesRequest | CountTokensRequest) -> list[dict] | None:
-    """The tools for the template; none with tool_choice none."""
-    choice = req.tool_choice
-    if not req.tools or isinstance(choice, ToolChoiceNone):
-        return None
-    if isinstance(choice, ToolChoiceTool):
-        names = [t.name for t in req.tools]
-        if choice.name not in names:
-            raise bad_request(
-                f"tool_choice.name: `{choice.name}` is not among tools {names}.", "tool_choice"
-            )
-    return [tools.tool_spec(t.name, t.description, t.input_schema) for t in req.tools]
-
-
-def tool_grammar(state: AppState, req: MessagesRequest) -> Constraint | None:
-    """The answer's grammar: `any` forces calls of any tool, `tool` a call of that one (its
-    input following the tool's input_schema), `auto` text or calls."""
-    choice = req.tool_choice
-    if not req.tools or isinstance(choice, ToolChoiceNone):
-        return None
-    functions = {t.name: t.input_schema for t in req.tools}
-    named = isinstance(choice, ToolChoiceTool)
-    mode = "named" if named else "required" if isinstance(choice, ToolChoiceAny) else "auto"
-    parallel = not (choice is not None and choice.disable_parallel_tool_use)
-    return structured.request_constraint(
-        None, state.tokenizer, state.vocab_size, functions, mode,
-        choice.name if named else None, parallel,
-    )  # fmt: skip
-
-
-def split_prefill(turns: list[dict]) -> tuple[list[dict], str]:
-    """A conversation that ends in an assistant turn asks for that turn to be continued: its
-    text starts the answer (and, as in Anthropic's API, is not repeated in the response)."""
-    last = turns[-1]
-    if last["role"] == "assistant" and "tool_calls" not in last:
-        return turns[:-1], last["content"]
-    return turns, ""
-
-
-def build_prompt(state: AppState, req: MessagesRequest | CountTokensRequest):
-    """-> (prompt ids, whether tools are in play)."""
-    specs = message_tools(req)
-    turns, prefill = split_prefill(template_messages(req))
-    prompt = chat_prompt(state.tokenizer, turns, specs, prefill)
-    return prompt, specs is not None
-
-
-def sampling_kwargs(req: MessagesRequest, max_tokens: int) -> dict:
-    kwargs = {
-        "max_tokens": max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k or None,
-        "stop": [s for s in req.stop_sequences or () if s] or None,
-    }
-    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 # ---------------------------------------------------------------- engine output -> message
@@ -297,18 +170,12 @@ def message_content(text: str, calls: list[tools.ParsedCall]) -> list:
 
 
 async def messages(state: AppState, body: bytes) -> Response:
-    req = decode(_messages_decoder, body)
-    check_model(state, req.model)
-    check_generates(state)
-    prompt, with_tools = build_prompt(state, req)
-    constraint = tool_grammar(state, req)
-    budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")
-    kwargs = sampling_kwargs(req, budget)
-    if constraint is not None:
-        kwargs["constraint"] = constraint
-    events = await open_choices(state.engine, [(prompt, kwargs)], state.metrics)
+    req = decode_body(_messages_decoder, body)
+    generation = message_generation(state, req)
+    events = await open_choices(state.engine, generation.requests, state.metrics)
+    prompt = generation.requests[0].prompt
     head = MessageResponse(new_id("msg_"), state.model_name, [], None, None, Usage(len(prompt), 1))
-    spec = MessageStream(head, with_tools, len(prompt), req.stop_sequences or [])
+    spec = MessageStream(head, generation.parse_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
         return sse.EventStream(message_events(events, spec), events)
     (outcome,) = await collect(events, 1)
@@ -325,7 +192,7 @@ async def messages(state: AppState, body: bytes) -> Response:
 
 
 async def count_tokens(state: AppState, body: bytes) -> Response:
-    req = decode(_count_decoder, body)
+    req = decode_body(_count_decoder, body)
     check_model(state, req.model)
-    prompt, _ = build_prompt(state, req)
+    prompt, _ = message_prompt(state, req)
     return Response(_encode(TokenCount(len(prompt))), media_type="application/json")

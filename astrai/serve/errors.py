@@ -72,6 +72,14 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def decode_body(decoder: msgspec.json.Decoder, body: bytes):
+    """The request body as the decoder's Struct, or a 400 naming the field at fault."""
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+
+
 def openai_status(err: APIError) -> int:
     return err.status
 

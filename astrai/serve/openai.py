@@ -15,17 +15,21 @@ import msgspec
 from starlette.responses import Response
 
 from astrai.eval.loglik import score_pairs
-from astrai.infer import Completion, Constraint
+from astrai.infer import Completion
 from astrai.infer.events import Usage as EngineUsage
-from astrai.serve import sse, structured, tools
-from astrai.serve.chat import chat_prompt, check_token_ids, finite, prompt_ids, token_text
-from astrai.serve.errors import APIError, bad_request, from_decode_error, openai_body
+from astrai.serve import sse, tools
+from astrai.serve.chat import finite, token_text
+from astrai.serve.engine_requests import (
+    chat_generation,
+    completion_generation,
+    completion_prompts,
+)
+from astrai.serve.errors import APIError, bad_request, decode_body, openai_body
 from astrai.serve.schemas_openai import (
     AssistantMessage,
     ChatChoice,
     ChatChunk,
     ChatCompletion,
-    ChatMessage,
     ChatRequest,
     ChoiceLogprobs,
     ChunkChoice,
@@ -33,8 +37,6 @@ from astrai.serve.schemas_openai import (
     Delta,
     FunctionCall,
     LegacyLogprobs,
-    NamedToolChoice,
-    SamplingFields,
     TextChoice,
     TextCompletion,
     TokenLogprob,
@@ -45,12 +47,9 @@ from astrai.serve.schemas_openai import (
 )
 from astrai.serve.state import (
     AppState,
-    check_generates,
-    check_model,
     new_id,
     now,
     prompt_too_long,
-    token_budget,
 )
 from astrai.serve.streams import collect, open_choices
 
@@ -58,106 +57,9 @@ _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _encode = msgspec.json.Encoder().encode
 
-# The legacy completions API generates 16 tokens when max_tokens is not given.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def decode(decoder: msgspec.json.Decoder, body: bytes):
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
-
 
 def json_response(obj) -> Response:
     return Response(_encode(obj), media_type="application/json")
-
-
-# ---------------------------------------------------------------- request -> engine arguments
-
-
-def stop_list(stop: str | list[str] | None) -> list[str] | None:
-    stops = [stop] if isinstance(stop, str) else stop or []
-    return [s for s in stops if s] or None
-
-
-def sampling_kwargs(
-    req: SamplingFields, max_tokens: int, top_logprobs: int | None, constraint=None
-) -> dict:
-    """Engine keyword arguments; what the client left out keeps the engine's default."""
-    kwargs = {
-        "max_tokens": max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k if req.top_k and req.top_k > 0 else None,  # -1 and 0: no top-k
-        "min_p": req.min_p,
-        "repetition_penalty": req.repetition_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "logit_bias": req.logit_bias or None,
-        "seed": req.seed,
-        "stop": stop_list(req.stop),
-        "logprobs": True if top_logprobs is not None else None,
-        "top_logprobs": top_logprobs or None,
-        "constraint": constraint,
-        "ignore_eos": req.ignore_eos or None,
-    }
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def choice_kwargs(kwargs: dict, n: int) -> list[dict]:
-    """n copies; with a seed, each choice gets its own so that they are not all the same."""
-    seed = kwargs.get("seed")
-    return [kwargs if seed is None else {**kwargs, "seed": seed + i} for i in range(n)]
-
-
-def check_sampling(state: AppState, req: SamplingFields, top_logprobs: int | None) -> None:
-    check_model(state, req.model)
-    check_generates(state)
-    cfg = state.serve_cfg
-    if req.n > cfg.max_n:
-        raise bad_request(f"n is {req.n}; this server allows at most {cfg.max_n}.", "n")
-    if top_logprobs is not None and top_logprobs > cfg.max_top_logprobs:
-        raise bad_request(
-            f"top_logprobs is {top_logprobs}; at most {cfg.max_top_logprobs} is allowed.",
-            "top_logprobs",
-        )
-    if req.logit_bias:
-        check_token_ids(req.logit_bias, state.vocab_size, "logit_bias")
-
-
-def template_message(message: ChatMessage) -> dict:
-    data = msgspec.to_builtins(message)
-    if data["role"] == "developer":  # OpenAI's newer name for the system turn
-        data["role"] = "system"
-    return data
-
-
-def chat_tools(state: AppState, req: ChatRequest) -> tuple[list[dict] | None, Constraint | None]:
-    """(tools for the template, the grammar of the answer); no tools at all with tool_choice
-    none. A required or named tool choice makes the answer a call whose arguments follow the
-    function's parameters; auto lets it be text or calls."""
-    if not req.tools or req.tool_choice == "none":
-        return None, structured.request_constraint(req, state.tokenizer, state.vocab_size)
-    specs = [
-        tools.tool_spec(t.function.name, t.function.description, t.function.parameters)
-        for t in req.tools
-    ]
-    functions = {t.function.name: t.function.parameters for t in req.tools}
-    choice, name = req.tool_choice, None
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        if name not in functions:
-            raise bad_request(
-                f"tool_choice names `{name}`, which is not among tools {list(functions)}.",
-                "tool_choice",
-            )
-    mode = "named" if name else "required" if choice == "required" else "auto"
-    parallel = req.parallel_tool_calls is not False
-    constraint = structured.request_constraint(
-        req, state.tokenizer, state.vocab_size, functions, mode, name, parallel
-    )
-    return specs, constraint
 
 
 # ---------------------------------------------------------------- engine output -> response
@@ -263,25 +165,16 @@ async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[byte
 
 
 async def chat_completions(state: AppState, body: bytes) -> Response:
-    req = decode(_chat_decoder, body)
+    req = decode_body(_chat_decoder, body)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    check_sampling(state, req, top)
-    specs, constraint = chat_tools(state, req)
-    messages = [template_message(m) for m in req.messages]
-    prompt = chat_prompt(state.tokenizer, messages, specs)
-    requested = req.max_completion_tokens or req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    budget = token_budget(
-        len(prompt), requested, state.context, state.serve_cfg.default_max_tokens, param, "messages"
-    )
-    kwargs = choice_kwargs(sampling_kwargs(req, budget, top, constraint), req.n)
-    events = await open_choices(state.engine, [(prompt, k) for k in kwargs], state.metrics)
+    generation = chat_generation(state, req, top)
+    events = await open_choices(state.engine, generation.requests, state.metrics)
     spec = ChatStream(
         new_id("chatcmpl-"),
         now(),
         state.model_name,
         req.n,
-        specs is not None,
+        generation.parse_tools,
         top,
         bool(req.stream_options and req.stream_options.include_usage),
     )
@@ -382,30 +275,13 @@ async def completion_events(events, head: TextCompletion, texts, req, top, token
 
 
 async def completions(state: AppState, body: bytes) -> Response:
-    req = decode(_completion_decoder, body)
+    req = decode_body(_completion_decoder, body)
     top = req.logprobs
-    check_sampling(state, req, top)
-    prompts = prompt_ids(state.tokenizer, req.prompt, state.vocab_size, "prompt")
-    if len(prompts) * req.n > state.serve_cfg.max_n:
-        raise bad_request(
-            f"{len(prompts)} prompts x n={req.n} choices is more than this server's "
-            f"{state.serve_cfg.max_n} choices per request.",
-            "n",
-        )
+    prompts = completion_prompts(state, req)
     check_echo(req, prompts, state.context)
-    constraint = structured.request_constraint(req, state.tokenizer, state.vocab_size)
-    requests = []
-    for ids in prompts:
-        if req.max_tokens == 0:
-            requests += [(ids, None)] * req.n
-            continue
-        budget = token_budget(
-            len(ids), req.max_tokens, state.context, COMPLETIONS_DEFAULT_MAX_TOKENS,
-            "max_tokens", "prompt",
-        )  # fmt: skip
-        kwargs = sampling_kwargs(req, budget, top, constraint)
-        requests += [(ids, k) for k in choice_kwargs(kwargs, req.n)]
-    texts = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in requests]
+    choice_prompts = [ids for ids in prompts for _ in range(req.n)]
+    requests = [] if req.max_tokens == 0 else completion_generation(state, req, prompts).requests
+    texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in choice_prompts]
     head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
     if req.stream:
         events = await open_choices(state.engine, requests, state.metrics)
@@ -420,7 +296,7 @@ async def completions(state: AppState, body: bytes) -> Response:
     if req.max_tokens == 0:
         outcomes = [
             Completion(finish_reason="length", usage=EngineUsage(len(ids), 0, 0))
-            for ids, _ in requests
+            for ids in choice_prompts
         ]
     else:
         events = await open_choices(state.engine, requests, state.metrics)

@@ -16,9 +16,11 @@ from asyncio import ensure_future
 from typing import Any
 
 import anyio
+import msgspec
 
 from astrai.infer import Completion, Overloaded, PromptTooLong
 from astrai.infer.events import add_event
+from astrai.serve.engine_requests import EngineRequest
 from astrai.serve.errors import bad_request, overloaded
 from astrai.serve.metrics import Metrics, count_usage, observe
 
@@ -109,30 +111,35 @@ def _refusal(exc: BaseException) -> BaseException:
         return bad_request(str(exc), "max_tokens", "context_length_exceeded")
     if isinstance(exc, Overloaded):
         return overloaded(str(exc))
-    if isinstance(exc, ValueError):  # sampling arguments the engine refuses
+    if isinstance(exc, ValueError):  # anything else the engine refuses to take
         return bad_request(str(exc))
     return exc
 
 
-async def open_choices(engine, requests: list[tuple[list[int], dict]], metrics: Metrics) -> Choices:
-    """Submit one engine request per (prompt ids, sampling kwargs).
+def _submit(engine, request: EngineRequest):
+    # The Engine takes the sampling settings as keyword arguments.
+    return engine.astream(request.prompt, **msgspec.structs.asdict(request.sampling))
+
+
+async def open_choices(engine, requests: list[EngineRequest], metrics: Metrics) -> Choices:
+    """Submit the engine requests of one HTTP request, one per choice.
 
     Choices that repeat a prompt are submitted once its first request has produced a token:
     by then its prompt is prefilled and in the prefix cache, so they share its pages instead
     of each computing them again."""
     since, streams, firsts = time.monotonic(), {}, {}
     leaders: dict[tuple[int, ...], int] = {}
-    for i, (prompt, _) in enumerate(requests):
-        leaders.setdefault(tuple(prompt), i)
+    for i, request in enumerate(requests):
+        leaders.setdefault(tuple(request.prompt), i)
     followers = [i for i in range(len(requests)) if i not in leaders.values()]
     try:
         for i in leaders.values():
-            streams[i] = engine.astream(requests[i][0], **requests[i][1])
+            streams[i] = _submit(engine, requests[i])
         if followers:
             for i in list(streams):
                 firsts[i] = await anext(streams[i])
             for i in followers:
-                streams[i] = engine.astream(requests[i][0], **requests[i][1])
+                streams[i] = _submit(engine, requests[i])
     except BaseException as exc:
         await (await _started(streams, {}, metrics, since)).aclose()
         raise _refusal(exc) from None

@@ -21,7 +21,7 @@ class Endless:
         self.engine = engine
 
     def astream(self, prompt, **sampling):
-        return self.engine.astream(prompt, **sampling, ignore_eos=True)
+        return self.engine.astream(prompt, **{**sampling, "ignore_eos": True})
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

@@ -10,6 +10,8 @@ from starlette.requests import ClientDisconnect
 from tiny_server import engine_for
 
 from astrai.infer.events import Events
+from astrai.infer.sampling import SamplingParams
+from astrai.serve.engine_requests import EngineRequest
 from astrai.serve.metrics import Metrics
 from astrai.serve.sse import EventStream, _joined
 from astrai.serve.streams import open_choices
@@ -63,9 +65,8 @@ def test_tokens_handed_over_together_are_at_hand_together(tiny):
     prompt = tiny[2].encode("Say hello.")
 
     async def run(engine):
-        choices = await open_choices(
-            engine, [(prompt, {"max_tokens": 8, "ignore_eos": True})], Metrics()
-        )
+        request = EngineRequest(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        choices = await open_choices(engine, [request], Metrics())
         at_hand = []
         async for _, event in choices:
             at_hand.append(choices.at_hand())
