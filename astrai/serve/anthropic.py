@@ -1,8 +1,9 @@
 """Anthropic Messages: request -> engine stream -> message JSON or the SSE event sequence.
 
-The conversation becomes a prompt in anthropic_turns.py and engine_requests.py. Streams follow Anthropic's order: message_start, then per content
-block content_block_start / content_block_delta... / content_block_stop (a ping after the
-first start), then message_delta with the stop reason and usage, then message_stop.
+Streams follow Anthropic's order: message_start, then per content block content_block_start /
+content_block_delta... / content_block_stop (a ping after the first start), then message_delta
+with the stop reason and usage, then message_stop. The request becomes a prompt in
+anthropic_turns.py and engine_requests.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import msgspec
 from starlette.responses import Response
 
 from astrai.serve import sse, tools
+from astrai.serve.bodies import decode_body, json_response
 from astrai.serve.engine_requests import message_generation, message_prompt
-from astrai.serve.errors import APIError, anthropic_body, decode_body
+from astrai.serve.errors import anthropic_body, generation_failed
 from astrai.serve.schemas_anthropic import (
     ContentBlockDelta,
     ContentBlockStart,
@@ -40,10 +42,10 @@ from astrai.serve.schemas_anthropic import (
 )
 from astrai.serve.state import AppState, check_model, new_id
 from astrai.serve.streams import collect, open_choices
+from astrai.serve.usage import anthropic_usage
 
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
-_encode = msgspec.json.Encoder().encode
 
 
 # ---------------------------------------------------------------- engine output -> message
@@ -55,13 +57,6 @@ def stop_reason(reason: str | None, stop_sequence: str | None, called: bool) -> 
     if reason == "length":
         return "max_tokens"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
-
-
-def usage_of(usage, fallback_prompt: int) -> Usage:
-    if usage is None:
-        return Usage(fallback_prompt, 0)
-    cached = usage.cached_tokens
-    return Usage(usage.prompt_tokens - cached, usage.completion_tokens, cached)
 
 
 def tool_use_block(call: tools.ParsedCall) -> OutToolUseBlock:
@@ -129,9 +124,8 @@ def matched_sequence(stop_text: str | None, stop_sequences: list[str]) -> str | 
     return stop_text if stop_text in stop_sequences else None
 
 
-def error_event(message: str) -> bytes:
-    body = anthropic_body(APIError(500, f"Generation failed: {message}"))
-    return sse.named("error", body)
+def error_event(reason: str | None) -> bytes:
+    return sse.named("error", anthropic_body(generation_failed(reason)))
 
 
 async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
@@ -143,7 +137,7 @@ async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
         yield out([MessageStart(spec.head)])
         async for _, event in events:
             if event.finish_reason == "error":
-                yield error_event(event.error or "unknown error")
+                yield error_event(event.error)
                 return
             step = tools.stream_step(spec.parse_tools, pending, event)
             text, calls, pending = step.text, step.calls, step.pending
@@ -152,7 +146,7 @@ async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
                 items += call_events(blocks, call)
             called = called or bool(calls)
             if event.finish_reason is not None:
-                usage = usage_of(event.usage, spec.n_prompt)
+                usage = anthropic_usage(event.usage, spec.n_prompt)
                 stop_text = matched_sequence(event.stop_reason_text, spec.stop_sequences)
                 delta = StopDelta(stop_reason(event.finish_reason, stop_text, called), stop_text)
                 counts = DeltaUsage(
@@ -179,20 +173,18 @@ async def messages(state: AppState, body: bytes) -> Response:
     if req.stream:
         return sse.EventStream(message_events(events, spec), events)
     (outcome,) = await collect(events, 1)
-    if outcome.finish_reason == "error":
-        raise APIError(500, f"Generation failed: {outcome.error}")
     text, calls = outcome.text, []
     if spec.parse_tools:
         text, calls = tools.parse(outcome.text)
     head.content = message_content(text, calls)
     head.stop_sequence = matched_sequence(outcome.stop_reason_text, spec.stop_sequences)
     head.stop_reason = stop_reason(outcome.finish_reason, head.stop_sequence, bool(calls))
-    head.usage = usage_of(outcome.usage, len(prompt))
-    return Response(_encode(head), media_type="application/json")
+    head.usage = anthropic_usage(outcome.usage, len(prompt))
+    return json_response(head)
 
 
 async def count_tokens(state: AppState, body: bytes) -> Response:
     req = decode_body(_count_decoder, body)
     check_model(state, req.model)
     prompt, _ = message_prompt(state, req)
-    return Response(_encode(TokenCount(len(prompt))), media_type="application/json")
+    return json_response(TokenCount(len(prompt)))

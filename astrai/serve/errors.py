@@ -72,12 +72,9 @@ _ANTHROPIC_TYPES = {
 }
 
 
-def decode_body(decoder: msgspec.json.Decoder, body: bytes):
-    """The request body as the decoder's Struct, or a 400 naming the field at fault."""
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+def generation_failed(reason: str | None) -> APIError:
+    """An engine request that ended in an error: the server's fault, not the client's."""
+    return APIError(500, f"Generation failed: {reason or 'unknown error'}")
 
 
 def openai_status(err: APIError) -> int:

@@ -21,7 +21,7 @@ import msgspec
 from astrai.infer import Completion, Overloaded, PromptTooLong
 from astrai.infer.events import add_event
 from astrai.serve.engine_requests import EngineRequest
-from astrai.serve.errors import bad_request, overloaded
+from astrai.serve.errors import bad_request, generation_failed, overloaded
 from astrai.serve.metrics import Metrics, count_usage, observe
 
 Event = Any  # astrai.infer.StreamEvent
@@ -147,9 +147,12 @@ async def open_choices(engine, requests: list[EngineRequest], metrics: Metrics) 
 
 
 async def collect(choices: Choices, n: int) -> list[Completion]:
-    """Each choice's events joined into its Completion."""
+    """Each choice's events joined into its Completion; a choice that failed fails them all."""
     outcomes = [Completion() for _ in range(n)]
     async with contextlib.aclosing(choices):
         async for i, event in choices:
             add_event(outcomes[i], event)
+    for outcome in outcomes:
+        if outcome.finish_reason == "error":
+            raise generation_failed(outcome.error)
     return outcomes

@@ -1,0 +1,140 @@
+"""OpenAI chat completions: engine streams -> the chat completion, whole or as Server-Sent
+Events.
+
+With tools, calls are parsed out of the model's text (see tools.py) and returned as
+`tool_calls`; streamed, each call arrives whole in one delta once its tag closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.responses import Response
+
+from astrai.infer import Completion
+from astrai.serve import sse, tools
+from astrai.serve.bodies import decode_body, json_response
+from astrai.serve.chat import finite, token_text
+from astrai.serve.engine_requests import chat_generation
+from astrai.serve.openai_shared import error_event, finish_reason
+from astrai.serve.schemas_openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatCompletion,
+    ChatRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    FunctionCall,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+from astrai.serve.state import AppState, new_id, now
+from astrai.serve.streams import collect, open_choices
+from astrai.serve.usage import openai_usage
+
+_decoder = msgspec.json.Decoder(ChatRequest)
+
+
+def chat_logprobs(tokenizer, entries: list[dict] | None, top: int | None):
+    if top is None or not entries:
+        return None
+    content = []
+    for entry in entries:
+        text = token_text(tokenizer, entry["token_id"])
+        alternatives = [
+            TopLogprob(t, finite(lp), list(t.encode()))
+            for t, lp in ((token_text(tokenizer, i), lp) for i, lp in entry["top"][:top])
+        ]
+        content.append(
+            TokenLogprob(text, finite(entry["logprob"]), list(text.encode()), alternatives)
+        )
+    return ChoiceLogprobs(content)
+
+
+def chat_choice(i: int, outcome: Completion, tokenizer, parse_tools: bool, top) -> ChatChoice:
+    content, calls = outcome.text, []
+    if parse_tools:
+        content, calls = tools.parse(outcome.text)
+    tool_calls = [ToolCall(tools.call_id(), FunctionCall(c.name, c.arguments)) for c in calls]
+    message_text = (content.strip() or None) if tool_calls else content
+    return ChatChoice(
+        index=i,
+        message=AssistantMessage(message_text, tool_calls=tool_calls or None),
+        finish_reason=finish_reason(outcome.finish_reason, bool(calls)),
+        logprobs=chat_logprobs(tokenizer, outcome.logprobs, top),
+    )
+
+
+class ChatStream(msgspec.Struct):
+    """What the chat SSE writer needs besides the events."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    parse_tools: bool
+    top_logprobs: int | None
+    include_usage: bool
+
+
+async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[bytes]:
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse.data(ChatChunk(spec.id, spec.created, spec.model, choices, usage))
+
+    pending, calls_made, usages = [""] * spec.n, [0] * spec.n, [None] * spec.n
+    async with contextlib.aclosing(events):
+        for i in range(spec.n):
+            yield chunk([ChunkChoice(i, Delta(role="assistant", content=""))])
+        async for i, event in events:
+            if event.finish_reason == "error":
+                yield error_event(event.error)
+                return
+            step = tools.stream_step(spec.parse_tools, pending[i], event)
+            text, calls, pending[i] = step.text, step.calls, step.pending
+            deltas = [
+                ToolCallDelta(calls_made[i] + k, tools.call_id(), FunctionCall(c.name, c.arguments))
+                for k, c in enumerate(calls)
+            ]
+            calls_made[i] += len(calls)
+            logprobs = chat_logprobs(tokenizer, event.logprobs, spec.top_logprobs)
+            if text or deltas or logprobs:
+                delta = Delta(content=text or None, tool_calls=deltas or None)
+                yield chunk([ChunkChoice(i, delta, logprobs=logprobs)])
+            if event.finish_reason is not None:
+                usages[i] = event.usage
+                reason = finish_reason(event.finish_reason, calls_made[i] > 0)
+                yield chunk([ChunkChoice(i, Delta(), finish_reason=reason)])
+    if spec.include_usage:
+        yield chunk([], openai_usage(usages, spec.n))
+    yield sse.DONE
+
+
+async def chat_completions(state: AppState, body: bytes) -> Response:
+    req = decode_body(_decoder, body)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    generation = chat_generation(state, req, top)
+    events = await open_choices(state.engine, generation.requests, state.metrics)
+    spec = ChatStream(
+        new_id("chatcmpl-"),
+        now(),
+        state.model_name,
+        req.n,
+        generation.parse_tools,
+        top,
+        bool(req.stream_options and req.stream_options.include_usage),
+    )
+    if req.stream:
+        return sse.EventStream(chat_events(events, spec, state.tokenizer), events)
+    outcomes = await collect(events, req.n)
+    choices = [
+        chat_choice(i, o, state.tokenizer, spec.parse_tools, top) for i, o in enumerate(outcomes)
+    ]
+    usage = openai_usage([o.usage for o in outcomes], req.n)
+    return json_response(ChatCompletion(spec.id, spec.created, spec.model, choices, usage))

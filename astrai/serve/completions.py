@@ -1,0 +1,109 @@
+"""OpenAI text completions: engine streams -> the completion, whole or as Server-Sent Events;
+each prompt gets `n` choices, choice `prompt * n + k`. With `echo` a choice's text starts with
+its prompt (and its logprobs with the prompt's, see prompt_scoring.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+from starlette.responses import Response
+
+from astrai.serve import sse
+from astrai.serve.bodies import decode_body, json_response
+from astrai.serve.chat import finite, token_text
+from astrai.serve.engine_requests import completion_generation, completion_prompts
+from astrai.serve.openai_shared import error_event, finish_reason
+from astrai.serve.prompt_scoring import check_scoring, echoed_entries, prompt_only
+from astrai.serve.schemas_openai import (
+    CompletionRequest,
+    LegacyLogprobs,
+    TextChoice,
+    TextCompletion,
+)
+from astrai.serve.state import AppState, new_id, now
+from astrai.serve.streams import collect, open_choices
+from astrai.serve.usage import openai_usage
+
+_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def legacy_logprobs(tokenizer, entries: list[dict] | None, top: int | None, offset: int):
+    """Entries as the engine gives them ({"token_id", "logprob", "top"}); an echoed prompt's
+    first token has None for both, having no context."""
+    if top is None or not entries:
+        return None
+    texts = [token_text(tokenizer, e["token_id"]) for e in entries]
+    offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    return LegacyLogprobs(
+        tokens=texts,
+        token_logprobs=[None if e["logprob"] is None else finite(e["logprob"]) for e in entries],
+        top_logprobs=[
+            None
+            if e["top"] is None
+            else {token_text(tokenizer, i): finite(lp) for i, lp in e["top"][:top]}
+            for e in entries
+        ],
+        text_offset=offsets,
+    )
+
+
+async def completion_events(events, head: TextCompletion, texts, req, tokenizer):
+    """`head` carries id/created/model; `texts` the prompt text per choice when echoing."""
+    offsets, echoed = [len(t) for t in texts], [False] * len(texts)
+    usages = [None] * len(texts)
+    async with contextlib.aclosing(events):
+        async for i, event in events:
+            if event.finish_reason == "error":
+                yield error_event(event.error)
+                return
+            text = ("" if echoed[i] else texts[i]) + event.text
+            echoed[i] = True
+            logprobs = legacy_logprobs(tokenizer, event.logprobs, req.logprobs, offsets[i])
+            offsets[i] += len(event.text)
+            reason = finish_reason(event.finish_reason, False)
+            if event.finish_reason is not None:
+                usages[i] = event.usage
+            if text or logprobs or reason:  # a token held back (a stop string?) says nothing
+                choice = TextChoice(i, text, reason, logprobs)
+                yield sse.data(TextCompletion(head.id, head.created, head.model, [choice]))
+    if req.stream_options and req.stream_options.include_usage:
+        usage = openai_usage(usages, req.n)
+        yield sse.data(TextCompletion(head.id, head.created, head.model, [], usage))
+    yield sse.DONE
+
+
+async def completions(state: AppState, body: bytes) -> Response:
+    req = decode_body(_decoder, body)
+    prompts = completion_prompts(state, req)
+    check_scoring(req, prompts, state.context)
+    choice_prompts = [ids for ids in prompts for _ in range(req.n)]
+    requests = [] if req.max_tokens == 0 else completion_generation(state, req, prompts).requests
+    texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in choice_prompts]
+    head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
+    if req.stream:
+        events = await open_choices(state.engine, requests, state.metrics)
+        body = completion_events(events, head, texts, req, state.tokenizer)
+        return sse.EventStream(body, events)
+    echoed = await echoed_entries(state, req, prompts)
+    if req.max_tokens == 0:
+        outcomes = [prompt_only(ids) for ids in choice_prompts]
+    else:
+        events = await open_choices(state.engine, requests, state.metrics)
+        outcomes = await collect(events, len(requests))
+    head.choices = [
+        TextChoice(
+            i,
+            texts[i] + o.text,
+            finish_reason(o.finish_reason, False),
+            legacy_logprobs(
+                state.tokenizer,
+                echoed[i] + (o.logprobs or []),
+                req.logprobs,
+                0 if echoed[i] else len(texts[i]),
+            ),
+        )
+        for i, o in enumerate(outcomes)
+    ]
+    head.usage = openai_usage([o.usage for o in outcomes], req.n)
+    return json_response(head)
