@@ -8,9 +8,7 @@ anthropic_turns.py and engine_requests.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.responses import Response
@@ -124,37 +122,43 @@ def matched_sequence(stop_text: str | None, stop_sequences: list[str]) -> str | 
     return stop_text if stop_text in stop_sequences else None
 
 
-def error_event(reason: str | None) -> bytes:
-    return sse.named("error", anthropic_body(generation_failed(reason)))
+class MessageWriter:
+    """A message stream's events (see sse.Writer): message_start, the content blocks as text
+    and tool calls arrive, and with the last event the stop reason, usage and message_stop."""
+
+    def __init__(self, spec: MessageStream):
+        self.spec, self.blocks, self.pending, self.called = spec, Blocks(), "", False
+
+    def head(self) -> list[bytes]:
+        return _named([MessageStart(self.spec.head)])
+
+    def chunks(self, i: int, event) -> list[bytes]:
+        spec = self.spec
+        step = tools.stream_step(spec.parse_tools, self.pending, event)
+        self.pending = step.pending
+        items = text_events(self.blocks, step.text)
+        for call in step.calls:
+            items += call_events(self.blocks, call)
+        self.called = self.called or bool(step.calls)
+        if event.finish_reason is not None:
+            usage = anthropic_usage(event.usage, spec.n_prompt)
+            stop_text = matched_sequence(event.stop_reason_text, spec.stop_sequences)
+            delta = StopDelta(stop_reason(event.finish_reason, stop_text, self.called), stop_text)
+            counts = DeltaUsage(
+                usage.output_tokens, usage.input_tokens, usage.cache_read_input_tokens
+            )
+            items += [*final_events(self.blocks), MessageDelta(delta, counts), MessageStop()]
+        return _named(items)
+
+    def tail(self) -> list[bytes]:
+        return []
+
+    def failure(self, reason: str | None) -> bytes:
+        return sse.named("error", anthropic_body(generation_failed(reason)))
 
 
-async def message_events(events, spec: MessageStream) -> AsyncIterator[bytes]:
-    def out(items: list) -> bytes:
-        return b"".join(sse.named(event_name(e), e) for e in items)
-
-    blocks, pending, called = Blocks(), "", False
-    async with contextlib.aclosing(events):
-        yield out([MessageStart(spec.head)])
-        async for _, event in events:
-            if event.finish_reason == "error":
-                yield error_event(event.error)
-                return
-            step = tools.stream_step(spec.parse_tools, pending, event)
-            text, calls, pending = step.text, step.calls, step.pending
-            items = text_events(blocks, text)
-            for call in calls:
-                items += call_events(blocks, call)
-            called = called or bool(calls)
-            if event.finish_reason is not None:
-                usage = anthropic_usage(event.usage, spec.n_prompt)
-                stop_text = matched_sequence(event.stop_reason_text, spec.stop_sequences)
-                delta = StopDelta(stop_reason(event.finish_reason, stop_text, called), stop_text)
-                counts = DeltaUsage(
-                    usage.output_tokens, usage.input_tokens, usage.cache_read_input_tokens
-                )
-                items += [*final_events(blocks), MessageDelta(delta, counts), MessageStop()]
-            if items:
-                yield out(items)
+def _named(items: list) -> list[bytes]:
+    return [sse.named(event_name(e), e) for e in items]
 
 
 def message_content(text: str, calls: list[tools.ParsedCall]) -> list:
@@ -171,7 +175,7 @@ async def messages(state: AppState, body: bytes) -> Response:
     head = MessageResponse(new_id("msg_"), state.model_name, [], None, None, Usage(len(prompt), 1))
     spec = MessageStream(head, generation.parse_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
-        return sse.EventStream(message_events(events, spec), events)
+        return sse.EventStream(events, MessageWriter(spec))
     (outcome,) = await collect(events, 1)
     text, calls = outcome.text, []
     if spec.parse_tools:

@@ -7,9 +7,6 @@ With tools, calls are parsed out of the model's text (see tools.py) and returned
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 import msgspec
 from starlette.responses import Response
 
@@ -84,36 +81,52 @@ class ChatStream(msgspec.Struct):
     include_usage: bool
 
 
-async def chat_events(events, spec: ChatStream, tokenizer) -> AsyncIterator[bytes]:
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+class ChatWriter:
+    """A chat stream's chunks (see sse.Writer): each choice opens with its role, then deltas
+    of text and whole tool calls, then its finish reason; the usage last when asked for."""
+
+    def __init__(self, spec: ChatStream, tokenizer):
+        self.spec, self.tokenizer = spec, tokenizer
+        self.pending, self.calls_made = [""] * spec.n, [0] * spec.n
+        self.usages: list = [None] * spec.n
+
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        spec = self.spec
         return sse.data(ChatChunk(spec.id, spec.created, spec.model, choices, usage))
 
-    pending, calls_made, usages = [""] * spec.n, [0] * spec.n, [None] * spec.n
-    async with contextlib.aclosing(events):
-        for i in range(spec.n):
-            yield chunk([ChunkChoice(i, Delta(role="assistant", content=""))])
-        async for i, event in events:
-            if event.finish_reason == "error":
-                yield error_event(event.error)
-                return
-            step = tools.stream_step(spec.parse_tools, pending[i], event)
-            text, calls, pending[i] = step.text, step.calls, step.pending
-            deltas = [
-                ToolCallDelta(calls_made[i] + k, tools.call_id(), FunctionCall(c.name, c.arguments))
-                for k, c in enumerate(calls)
-            ]
-            calls_made[i] += len(calls)
-            logprobs = chat_logprobs(tokenizer, event.logprobs, spec.top_logprobs)
-            if text or deltas or logprobs:
-                delta = Delta(content=text or None, tool_calls=deltas or None)
-                yield chunk([ChunkChoice(i, delta, logprobs=logprobs)])
-            if event.finish_reason is not None:
-                usages[i] = event.usage
-                reason = finish_reason(event.finish_reason, calls_made[i] > 0)
-                yield chunk([ChunkChoice(i, Delta(), finish_reason=reason)])
-    if spec.include_usage:
-        yield chunk([], openai_usage(usages, spec.n))
-    yield sse.DONE
+    def head(self) -> list[bytes]:
+        return [
+            self.chunk([ChunkChoice(i, Delta(role="assistant", content=""))])
+            for i in range(self.spec.n)
+        ]
+
+    def chunks(self, i: int, event) -> list[bytes]:
+        step = tools.stream_step(self.spec.parse_tools, self.pending[i], event)
+        text, calls, self.pending[i] = step.text, step.calls, step.pending
+        deltas = [
+            ToolCallDelta(
+                self.calls_made[i] + k, tools.call_id(), FunctionCall(c.name, c.arguments)
+            )
+            for k, c in enumerate(calls)
+        ]
+        self.calls_made[i] += len(calls)
+        logprobs = chat_logprobs(self.tokenizer, event.logprobs, self.spec.top_logprobs)
+        out = []
+        if text or deltas or logprobs:
+            delta = Delta(content=text or None, tool_calls=deltas or None)
+            out.append(self.chunk([ChunkChoice(i, delta, logprobs=logprobs)]))
+        if event.finish_reason is not None:
+            self.usages[i] = event.usage
+            reason = finish_reason(event.finish_reason, self.calls_made[i] > 0)
+            out.append(self.chunk([ChunkChoice(i, Delta(), finish_reason=reason)]))
+        return out
+
+    def tail(self) -> list[bytes]:
+        usage = [self.chunk([], openai_usage(self.usages, self.spec.n))]
+        return [*(usage if self.spec.include_usage else []), sse.DONE]
+
+    def failure(self, reason: str | None) -> bytes:
+        return error_event(reason)
 
 
 async def chat_completions(state: AppState, body: bytes) -> Response:
@@ -131,7 +144,7 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
         bool(req.stream_options and req.stream_options.include_usage),
     )
     if req.stream:
-        return sse.EventStream(chat_events(events, spec, state.tokenizer), events)
+        return sse.EventStream(events, ChatWriter(spec, state.tokenizer))
     outcomes = await collect(events, req.n)
     choices = [
         chat_choice(i, o, state.tokenizer, spec.parse_tools, top) for i, o in enumerate(outcomes)

@@ -4,8 +4,6 @@ its prompt (and its logprobs with the prompt's, see prompt_scoring.py)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import msgspec
 from starlette.responses import Response
 
@@ -48,29 +46,43 @@ def legacy_logprobs(tokenizer, entries: list[dict] | None, top: int | None, offs
     )
 
 
-async def completion_events(events, head: TextCompletion, texts, req, tokenizer):
-    """`head` carries id/created/model; `texts` the prompt text per choice when echoing."""
-    offsets, echoed = [len(t) for t in texts], [False] * len(texts)
-    usages = [None] * len(texts)
-    async with contextlib.aclosing(events):
-        async for i, event in events:
-            if event.finish_reason == "error":
-                yield error_event(event.error)
-                return
-            text = ("" if echoed[i] else texts[i]) + event.text
-            echoed[i] = True
-            logprobs = legacy_logprobs(tokenizer, event.logprobs, req.logprobs, offsets[i])
-            offsets[i] += len(event.text)
-            reason = finish_reason(event.finish_reason, False)
-            if event.finish_reason is not None:
-                usages[i] = event.usage
-            if text or logprobs or reason:  # a token held back (a stop string?) says nothing
-                choice = TextChoice(i, text, reason, logprobs)
-                yield sse.data(TextCompletion(head.id, head.created, head.model, [choice]))
-    if req.stream_options and req.stream_options.include_usage:
-        usage = openai_usage(usages, req.n)
-        yield sse.data(TextCompletion(head.id, head.created, head.model, [], usage))
-    yield sse.DONE
+class CompletionWriter:
+    """A text completion stream's chunks (see sse.Writer): the echoed prompt with a choice's
+    first text, its finish reason with its last; the usage last when asked for."""
+
+    def __init__(self, head: TextCompletion, texts: list[str], req: CompletionRequest, tokenizer):
+        self.head_, self.req, self.tokenizer = head, req, tokenizer
+        self.texts, self.offsets = texts, [len(t) for t in texts]
+        self.echoed, self.usages = [False] * len(texts), [None] * len(texts)
+
+    def chunk(self, choices: list[TextChoice], usage=None) -> bytes:
+        head = self.head_
+        return sse.data(TextCompletion(head.id, head.created, head.model, choices, usage))
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def chunks(self, i: int, event) -> list[bytes]:
+        text = ("" if self.echoed[i] else self.texts[i]) + event.text
+        self.echoed[i] = True
+        logprobs = legacy_logprobs(
+            self.tokenizer, event.logprobs, self.req.logprobs, self.offsets[i]
+        )
+        self.offsets[i] += len(event.text)
+        reason = finish_reason(event.finish_reason, False)
+        if event.finish_reason is not None:
+            self.usages[i] = event.usage
+        if not (text or logprobs or reason):  # a token held back (a stop string?) says nothing
+            return []
+        return [self.chunk([TextChoice(i, text, reason, logprobs)])]
+
+    def tail(self) -> list[bytes]:
+        options = self.req.stream_options
+        usage = [self.chunk([], openai_usage(self.usages, self.req.n))]
+        return [*(usage if options and options.include_usage else []), sse.DONE]
+
+    def failure(self, reason: str | None) -> bytes:
+        return error_event(reason)
 
 
 async def completions(state: AppState, body: bytes) -> Response:
@@ -83,8 +95,7 @@ async def completions(state: AppState, body: bytes) -> Response:
     head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
     if req.stream:
         events = await open_choices(state.engine, requests, state.metrics)
-        body = completion_events(events, head, texts, req, state.tokenizer)
-        return sse.EventStream(body, events)
+        return sse.EventStream(events, CompletionWriter(head, texts, req, state.tokenizer))
     echoed = await echoed_entries(state, req, prompts)
     if req.max_tokens == 0:
         outcomes = [prompt_only(ids) for ids in choice_prompts]

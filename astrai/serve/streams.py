@@ -28,48 +28,52 @@ Event = Any  # astrai.infer.StreamEvent
 
 
 class Choices:
-    """The engine streams of one request's choices, read as one stream of (index, event) in
-    the order events arrive, with latency and usage recorded in `metrics` on the way.
+    """The engine streams of one request's choices, read hand-over by hand-over: each read
+    returns the (index, event) pairs the engine handed over together (all of one stream's
+    events already at hand; several streams' when their events arrived at once), with latency
+    and usage recorded in `metrics` on the way. Nothing waits to fill a hand-over: what the
+    engine sends together is read together, so a writer can send it in one write.
 
     `streams` maps choice index -> engine stream; `firsts` holds events already read."""
 
     def __init__(self, streams: dict, firsts: dict, metrics: Metrics, since: float):
         self.streams, self.metrics, self.since = streams, metrics, since
-        # One choice is read straight from its stream: a task and a wait per token would cost
-        # the event loop more than the rest of the token's way to the socket.
+        # One choice is read straight from its stream: a task and a wait per hand-over would
+        # cost the event loop more than the rest of the tokens' way to the socket.
         self.only = next(iter(streams.items())) if len(streams) == 1 else None
         self.pending = {} if self.only else {ensure_future(anext(s)): i for i, s in streams.items()}
-        self.ready: list[tuple[int, Event]] = sorted(firsts.items())
+        self.firsts: list[tuple[int, Event]] = sorted(firsts.items())
         self.last_token: dict[int, float] = {}
 
     def __aiter__(self) -> Choices:
         return self
 
-    async def __anext__(self) -> tuple[int, Event]:
-        if self.only and not self.ready:
+    async def __anext__(self) -> list[tuple[int, Event]]:
+        if self.firsts:
+            handover, self.firsts = self.firsts, []
+        elif self.only:
             i, stream = self.only
-            self.ready.append((i, await anext(stream)))
-        while not self.ready:
+            handover = [(i, e) for e in await _with_rest_at_hand(stream, await anext(stream))]
+        else:
+            handover = await self._from_any()
+        for i, event in handover:
+            self._measure(i, event)
+        return handover
+
+    async def _from_any(self) -> list[tuple[int, Event]]:
+        handover = []
+        while not handover:
             if not self.pending:
                 raise StopAsyncIteration
             done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            for task in sorted(done, key=self.pending.get):
                 i = self.pending.pop(task)
                 with contextlib.suppress(StopAsyncIteration):
-                    self.ready.append((i, task.result()))
-                    self.pending[ensure_future(anext(self.streams[i]))] = i
-        i, event = self.ready.pop(0)
-        self._measure(i, event)
-        return i, event
-
-    def at_hand(self) -> bool:
-        """Whether the next read returns without waiting: an event is there, or every stream
-        has ended."""
-        if self.ready:
-            return True
-        if self.only:
-            return self.only[1].at_hand()
-        return not self.pending or any(task.done() for task in self.pending)
+                    events = await _with_rest_at_hand(self.streams[i], task.result())
+                    handover += [(i, e) for e in events]
+                    if events[-1].finish_reason is None:
+                        self.pending[ensure_future(anext(self.streams[i]))] = i
+        return handover
 
     def _measure(self, i: int, event: Event) -> None:
         t, n, m = time.monotonic(), len(event.token_ids or ()), self.metrics
@@ -95,6 +99,14 @@ class Choices:
             self.pending = {}
             for stream in self.streams.values():
                 await stream.aclose()
+
+
+async def _with_rest_at_hand(stream, event: Event) -> list[Event]:
+    """`event` and the events of `stream` already at hand after it (read without waiting)."""
+    events = [event]
+    while events[-1].finish_reason is None and stream.at_hand():
+        events.append(await anext(stream))
+    return events
 
 
 async def _started(streams: dict, firsts: dict, metrics: Metrics, since: float) -> Choices:
@@ -150,8 +162,9 @@ async def collect(choices: Choices, n: int) -> list[Completion]:
     """Each choice's events joined into its Completion; a choice that failed fails them all."""
     outcomes = [Completion() for _ in range(n)]
     async with contextlib.aclosing(choices):
-        async for i, event in choices:
-            add_event(outcomes[i], event)
+        async for handover in choices:
+            for i, event in handover:
+                add_event(outcomes[i], event)
     for outcome in outcomes:
         if outcome.finish_reason == "error":
             raise generation_failed(outcome.error)
