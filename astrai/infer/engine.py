@@ -259,12 +259,14 @@ class Engine:
         self._send([seq], Sink(events.put))
         return Events(events, lambda: self.cancel(seq.id))
 
-    def astream(self, prompt: str | list[int], **sampling) -> Events:
+    def astream(self, prompt: str | list[int], request_id: str | None = None, **sampling) -> Events:
         """stream() for an asyncio event loop: call it inside the loop. Closing the iterator or
-        cancelling the task that reads it cancels the request and frees its pages."""
+        cancelling the task that reads it cancels the request and frees its pages.
+        `request_id` names the request in its events (a server passes its own, so that one id
+        follows a request through both); it must differ from every other live request's."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        seq = self._sequence(prompt, sampling)
+        seq = self._sequence(prompt, sampling, request_id)
         self._send([seq], Sink(events.put_nowait, loop))
         return Events(events, lambda: self.cancel(seq.id))
 
@@ -323,11 +325,11 @@ class Engine:
         self.kernels = kernels_used(prepared)  # which product each matrix runs, for the logs
         return prepared
 
-    def _sequence(self, prompt, sampling: dict) -> Sequence:
+    def _sequence(self, prompt, sampling: dict, request_id: str | None = None) -> Sequence:
         if self._closed:
             raise RuntimeError("the engine is closed")
         sp = sampling if isinstance(sampling, SamplingParams) else sampling_params(**sampling)
-        request_id = f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
+        request_id = request_id or f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         return new_sequence(self._state, Request(request_id, prompt, sp))
 
     def _check_waiting(self) -> None:

@@ -170,9 +170,10 @@ def message_content(text: str, calls: list[tools.ParsedCall]) -> list:
 async def messages(state: AppState, body: bytes) -> Response:
     req = decode_body(_messages_decoder, body)
     generation = message_generation(state, req)
-    events = await open_choices(state.engine, generation.requests, state.metrics)
+    request_id = new_id("msg_")
+    events = await open_choices(state.engine, request_id, generation.requests, state.metrics)
     prompt = generation.requests[0].prompt
-    head = MessageResponse(new_id("msg_"), state.model_name, [], None, None, Usage(len(prompt), 1))
+    head = MessageResponse(request_id, state.model_name, [], None, None, Usage(len(prompt), 1))
     spec = MessageStream(head, generation.parse_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
         return sse.EventStream(events, MessageWriter(spec))
@@ -184,7 +185,7 @@ async def messages(state: AppState, body: bytes) -> Response:
     head.stop_sequence = matched_sequence(outcome.stop_reason_text, spec.stop_sequences)
     head.stop_reason = stop_reason(outcome.finish_reason, head.stop_sequence, bool(calls))
     head.usage = anthropic_usage(outcome.usage, len(prompt))
-    return json_response(head)
+    return json_response(head, request_id=request_id)
 
 
 async def count_tokens(state: AppState, body: bytes) -> Response:

@@ -177,7 +177,10 @@ async def health(state: AppState, request: Request) -> Response:
 
 
 async def stats(state: AppState, request: Request) -> Response:
-    return json_response(state.engine.stats())
+    """The engine's stats, and the ids of the requests being answered (oldest first)."""
+    return json_response(
+        {**state.engine.stats(), "open_requests": list(state.metrics.open_requests)}
+    )
 
 
 async def metrics(state: AppState, request: Request) -> Response:

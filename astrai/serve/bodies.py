@@ -18,5 +18,12 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes):
         raise from_decode_error(exc) from None
 
 
-def json_response(obj, status: int = 200) -> Response:
-    return Response(_encode(obj), status_code=status, media_type="application/json")
+def id_headers(request_id: str | None) -> dict[str, str] | None:
+    """A request's id where each API's client reads it (OpenAI's `x-request-id`, Anthropic's
+    `request-id`): the id of the response body and of the engine's requests."""
+    return None if request_id is None else {"x-request-id": request_id, "request-id": request_id}
+
+
+def json_response(obj, status: int = 200, request_id: str | None = None) -> Response:
+    body, headers = _encode(obj), id_headers(request_id)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")

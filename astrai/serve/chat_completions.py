@@ -133,9 +133,10 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     req = decode_body(_decoder, body)
     top = (req.top_logprobs or 0) if req.logprobs else None
     generation = chat_generation(state, req, top)
-    events = await open_choices(state.engine, generation.requests, state.metrics)
+    request_id = new_id("chatcmpl-")
+    events = await open_choices(state.engine, request_id, generation.requests, state.metrics)
     spec = ChatStream(
-        new_id("chatcmpl-"),
+        request_id,
         now(),
         state.model_name,
         req.n,
@@ -150,4 +151,5 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
         chat_choice(i, o, state.tokenizer, spec.parse_tools, top) for i, o in enumerate(outcomes)
     ]
     usage = openai_usage([o.usage for o in outcomes], req.n)
-    return json_response(ChatCompletion(spec.id, spec.created, spec.model, choices, usage))
+    completion = ChatCompletion(spec.id, spec.created, spec.model, choices, usage)
+    return json_response(completion, request_id=request_id)

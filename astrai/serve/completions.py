@@ -94,13 +94,13 @@ async def completions(state: AppState, body: bytes) -> Response:
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in choice_prompts]
     head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
     if req.stream:
-        events = await open_choices(state.engine, requests, state.metrics)
+        events = await open_choices(state.engine, head.id, requests, state.metrics)
         return sse.EventStream(events, CompletionWriter(head, texts, req, state.tokenizer))
     echoed = await echoed_entries(state, req, prompts)
     if req.max_tokens == 0:
         outcomes = [prompt_only(ids) for ids in choice_prompts]
     else:
-        events = await open_choices(state.engine, requests, state.metrics)
+        events = await open_choices(state.engine, head.id, requests, state.metrics)
         outcomes = await collect(events, len(requests))
     head.choices = [
         TextChoice(
@@ -117,4 +117,4 @@ async def completions(state: AppState, body: bytes) -> Response:
         for i, o in enumerate(outcomes)
     ]
     head.usage = openai_usage([o.usage for o in outcomes], req.n)
-    return json_response(head)
+    return json_response(head, request_id=head.id)

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import msgspec
 from starlette.responses import StreamingResponse
 
+from astrai.serve.bodies import id_headers
+
 _encode = msgspec.json.Encoder().encode
 
 DONE = b"data: [DONE]\n\n"
@@ -65,6 +67,7 @@ class EventStream(StreamingResponse):
     def __init__(self, choices, writer: Writer):
         # proxies must pass events on at once instead of buffering them
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers |= id_headers(choices.request_id)
         body = writes(choices, writer)
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self.choices = choices

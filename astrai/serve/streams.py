@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from asyncio import ensure_future
 from typing import Any
@@ -25,6 +26,7 @@ from astrai.serve.errors import bad_request, generation_failed, overloaded
 from astrai.serve.metrics import Metrics, count_usage, observe
 
 Event = Any  # astrai.infer.StreamEvent
+log = logging.getLogger("astrai.serve")
 
 
 class Choices:
@@ -34,10 +36,21 @@ class Choices:
     and usage recorded in `metrics` on the way. Nothing waits to fill a hand-over: what the
     engine sends together is read together, so a writer can send it in one write.
 
-    `streams` maps choice index -> engine stream; `firsts` holds events already read."""
+    `request_id` is the HTTP request's id; `streams` maps choice index -> engine stream;
+    `firsts` holds events already read. From here to `aclose` the request is listed in
+    `metrics.open_requests`; `aclose` logs one line about it."""
 
-    def __init__(self, streams: dict, firsts: dict, metrics: Metrics, since: float):
-        self.streams, self.metrics, self.since = streams, metrics, since
+    def __init__(
+        self, request_id: str, streams: dict, firsts: dict, metrics: Metrics, since: float
+    ):
+        self.request_id, self.streams, self.metrics, self.since = (
+            request_id,
+            streams,
+            metrics,
+            since,
+        )
+        metrics.open_requests[request_id] = since
+        self.finished: dict[int, Event] = {}
         # One choice is read straight from its stream: a task and a wait per hand-over would
         # cost the event loop more than the rest of the tokens' way to the socket.
         self.only = next(iter(streams.items())) if len(streams) == 1 else None
@@ -84,6 +97,7 @@ class Choices:
         if n:
             self.last_token[i] = t
         if event.finish_reason is not None:
+            self.finished[i] = event
             observe(m.request_latency, t - self.since)
             if event.usage is not None:
                 u = event.usage
@@ -99,6 +113,22 @@ class Choices:
             self.pending = {}
             for stream in self.streams.values():
                 await stream.aclose()
+            if self.metrics.open_requests.pop(self.request_id, None) is not None:
+                log.info(request_line(self.request_id, self.streams, self.finished, self.since))
+
+
+def request_line(request_id: str, streams: dict, finished: dict, since: float) -> str:
+    """What the log says about a request once it is closed: how each choice ended (a choice
+    closed before its end was cancelled), its tokens and its time."""
+    ends = [finished[i].finish_reason if i in finished else "cancelled" for i in sorted(streams)]
+    usages = [finished[i].usage for i in sorted(finished) if finished[i].usage is not None]
+    prompt = sum(u.prompt_tokens for u in usages[:1])
+    cached = sum(u.cached_tokens for u in usages[:1])
+    generated = sum(u.completion_tokens for u in usages)
+    return (
+        f"{request_id}: {len(streams)} choice(s) {','.join(ends)}, {prompt} prompt tokens "
+        f"({cached} cached), {generated} generated, {time.monotonic() - since:.3f} s"
+    )
 
 
 async def _with_rest_at_hand(stream, event: Event) -> list[Event]:
@@ -109,8 +139,8 @@ async def _with_rest_at_hand(stream, event: Event) -> list[Event]:
     return events
 
 
-async def _started(streams: dict, firsts: dict, metrics: Metrics, since: float) -> Choices:
-    choices = Choices(streams, firsts, metrics, since)
+async def _started(request_id, streams: dict, firsts: dict, metrics, since: float) -> Choices:
+    choices = Choices(request_id, streams, firsts, metrics, since)
     # One turn of the loop lets every stream reach its first wait; from then on closing a
     # stream cancels its engine request (a stream closed before it started would not).
     await asyncio.sleep(0)
@@ -128,13 +158,23 @@ def _refusal(exc: BaseException) -> BaseException:
     return exc
 
 
-def _submit(engine, request: EngineRequest):
+def engine_ids(request_id: str, n: int) -> list[str]:
+    """The engine's names for the choices of HTTP request `request_id`: the id itself for one
+    choice, `<id>-<k>` for choice k of several."""
+    return [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
+
+
+def _submit(engine, request_id: str, request: EngineRequest):
     # The Engine takes the sampling settings as keyword arguments.
-    return engine.astream(request.prompt, **msgspec.structs.asdict(request.sampling))
+    sampling = msgspec.structs.asdict(request.sampling)
+    return engine.astream(request.prompt, request_id=request_id, **sampling)
 
 
-async def open_choices(engine, requests: list[EngineRequest], metrics: Metrics) -> Choices:
-    """Submit the engine requests of one HTTP request, one per choice.
+async def open_choices(
+    engine, request_id: str, requests: list[EngineRequest], metrics: Metrics
+) -> Choices:
+    """Submit the engine requests of HTTP request `request_id`, one per choice, named after it
+    (see engine_ids), so that one id follows the request through the server and the engine.
 
     Choices that repeat a prompt are submitted once its first request has produced a token:
     by then its prompt is prefilled and in the prefix cache, so they share its pages instead
@@ -144,18 +184,19 @@ async def open_choices(engine, requests: list[EngineRequest], metrics: Metrics) 
     for i, request in enumerate(requests):
         leaders.setdefault(tuple(request.prompt), i)
     followers = [i for i in range(len(requests)) if i not in leaders.values()]
+    ids = engine_ids(request_id, len(requests))
     try:
         for i in leaders.values():
-            streams[i] = _submit(engine, requests[i])
+            streams[i] = _submit(engine, ids[i], requests[i])
         if followers:
             for i in list(streams):
                 firsts[i] = await anext(streams[i])
             for i in followers:
-                streams[i] = _submit(engine, requests[i])
+                streams[i] = _submit(engine, ids[i], requests[i])
     except BaseException as exc:
-        await (await _started(streams, {}, metrics, since)).aclose()
+        await (await _started(request_id, streams, {}, metrics, since)).aclose()
         raise _refusal(exc) from None
-    return await _started(streams, firsts, metrics, since)
+    return await _started(request_id, streams, firsts, metrics, since)
 
 
 async def collect(choices: Choices, n: int) -> list[Completion]:

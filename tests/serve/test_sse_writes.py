@@ -98,9 +98,8 @@ def handovers_read(queued: list[list[tuple[int, StreamEvent]]], n: int) -> list:
 
     async def run():
         queues = [asyncio.Queue() for _ in range(n)]
-        choices = Choices(
-            {i: Events(q, lambda: None) for i, q in enumerate(queues)}, {}, Metrics(), 0.0
-        )
+        streams = {i: Events(q, lambda: None) for i, q in enumerate(queues)}
+        choices = Choices("r", streams, {}, Metrics(), 0.0)
 
         async def feed():
             for arrival in queued:
@@ -138,7 +137,7 @@ def test_tokens_handed_over_together_are_read_together(tiny):
 
     async def run(engine):
         request = EngineRequest(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-        choices = await open_choices(engine, [request], Metrics())
+        choices = await open_choices(engine, "r", [request], Metrics())
         sizes = [len(handover) async for handover in choices]
         await choices.aclose()
         return sizes
@@ -182,6 +181,8 @@ def test_event_stream_closes_its_streams_when_the_client_is_gone():
     closed = []
 
     class Choices:
+        request_id = "r"
+
         def __aiter__(self):
             return self
 
