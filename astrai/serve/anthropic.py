@@ -109,8 +109,11 @@ def final_events(blocks: Blocks) -> list:
     return _close(blocks)
 
 
-class MessageStream(msgspec.Struct):
-    head: MessageResponse
+class MessageSpec(msgspec.Struct):
+    """What a message answer says besides the model's output: the message so far (id, model,
+    the prompt's usage), and what the output is read for."""
+
+    message: MessageResponse
     parse_tools: bool
     n_prompt: int
     stop_sequences: list[str]
@@ -126,11 +129,11 @@ class MessageWriter:
     """A message stream's events (see sse.Writer): message_start, the content blocks as text
     and tool calls arrive, and with the last event the stop reason, usage and message_stop."""
 
-    def __init__(self, spec: MessageStream):
+    def __init__(self, spec: MessageSpec):
         self.spec, self.blocks, self.pending, self.called = spec, Blocks(), "", False
 
     def head(self) -> list[bytes]:
-        return _named([MessageStart(self.spec.head)])
+        return _named([MessageStart(self.spec.message)])
 
     def chunks(self, i: int, event) -> list[bytes]:
         spec = self.spec
@@ -171,13 +174,13 @@ async def messages(state: AppState, body: bytes) -> Response:
     req = decode_body(_messages_decoder, body)
     generation = message_generation(state, req)
     request_id = new_id("msg_")
-    events = await open_choices(state.engine, request_id, generation.requests, state.metrics)
+    choices = await open_choices(state.engine, request_id, generation.requests, state.metrics)
     prompt = generation.requests[0].prompt
     head = MessageResponse(request_id, state.model_name, [], None, None, Usage(len(prompt), 1))
-    spec = MessageStream(head, generation.parse_tools, len(prompt), req.stop_sequences or [])
+    spec = MessageSpec(head, generation.parse_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
-        return sse.EventStream(events, MessageWriter(spec))
-    (outcome,) = await collect(events, 1)
+        return sse.EventStream(choices, MessageWriter(spec))
+    (outcome,) = await collect(choices, 1)
     text, calls = outcome.text, []
     if spec.parse_tools:
         text, calls = tools.parse(outcome.text)

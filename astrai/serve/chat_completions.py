@@ -69,8 +69,8 @@ def chat_choice(i: int, outcome: Completion, tokenizer, parse_tools: bool, top) 
     )
 
 
-class ChatStream(msgspec.Struct):
-    """What the chat SSE writer needs besides the events."""
+class ChatSpec(msgspec.Struct):
+    """What a chat answer says besides the model's output, streamed or whole."""
 
     id: str
     created: int
@@ -85,7 +85,7 @@ class ChatWriter:
     """A chat stream's chunks (see sse.Writer): each choice opens with its role, then deltas
     of text and whole tool calls, then its finish reason; the usage last when asked for."""
 
-    def __init__(self, spec: ChatStream, tokenizer):
+    def __init__(self, spec: ChatSpec, tokenizer):
         self.spec, self.tokenizer = spec, tokenizer
         self.pending, self.calls_made = [""] * spec.n, [0] * spec.n
         self.usages: list = [None] * spec.n
@@ -134,8 +134,8 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     top = (req.top_logprobs or 0) if req.logprobs else None
     generation = chat_generation(state, req, top)
     request_id = new_id("chatcmpl-")
-    events = await open_choices(state.engine, request_id, generation.requests, state.metrics)
-    spec = ChatStream(
+    choices = await open_choices(state.engine, request_id, generation.requests, state.metrics)
+    spec = ChatSpec(
         request_id,
         now(),
         state.model_name,
@@ -145,11 +145,11 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
         bool(req.stream_options and req.stream_options.include_usage),
     )
     if req.stream:
-        return sse.EventStream(events, ChatWriter(spec, state.tokenizer))
-    outcomes = await collect(events, req.n)
-    choices = [
+        return sse.EventStream(choices, ChatWriter(spec, state.tokenizer))
+    outcomes = await collect(choices, req.n)
+    answers = [
         chat_choice(i, o, state.tokenizer, spec.parse_tools, top) for i, o in enumerate(outcomes)
     ]
     usage = openai_usage([o.usage for o in outcomes], req.n)
-    completion = ChatCompletion(spec.id, spec.created, spec.model, choices, usage)
+    completion = ChatCompletion(spec.id, spec.created, spec.model, answers, usage)
     return json_response(completion, request_id=request_id)

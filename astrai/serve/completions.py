@@ -51,20 +51,20 @@ class CompletionWriter:
     first text, its finish reason with its last; the usage last when asked for."""
 
     def __init__(self, head: TextCompletion, texts: list[str], req: CompletionRequest, tokenizer):
-        self.head_, self.req, self.tokenizer = head, req, tokenizer
+        self.response, self.req, self.tokenizer = head, req, tokenizer
         self.texts, self.offsets = texts, [len(t) for t in texts]
-        self.echoed, self.usages = [False] * len(texts), [None] * len(texts)
+        self.prompt_sent, self.usages = [False] * len(texts), [None] * len(texts)
 
     def chunk(self, choices: list[TextChoice], usage=None) -> bytes:
-        head = self.head_
-        return sse.data(TextCompletion(head.id, head.created, head.model, choices, usage))
+        r = self.response
+        return sse.data(TextCompletion(r.id, r.created, r.model, choices, usage))
 
     def head(self) -> list[bytes]:
         return []
 
     def chunks(self, i: int, event) -> list[bytes]:
-        text = ("" if self.echoed[i] else self.texts[i]) + event.text
-        self.echoed[i] = True
+        text = ("" if self.prompt_sent[i] else self.texts[i]) + event.text
+        self.prompt_sent[i] = True
         logprobs = legacy_logprobs(
             self.tokenizer, event.logprobs, self.req.logprobs, self.offsets[i]
         )
@@ -94,14 +94,14 @@ async def completions(state: AppState, body: bytes) -> Response:
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in choice_prompts]
     head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
     if req.stream:
-        events = await open_choices(state.engine, head.id, requests, state.metrics)
-        return sse.EventStream(events, CompletionWriter(head, texts, req, state.tokenizer))
+        choices = await open_choices(state.engine, head.id, requests, state.metrics)
+        return sse.EventStream(choices, CompletionWriter(head, texts, req, state.tokenizer))
     echoed = await echoed_entries(state, req, prompts)
     if req.max_tokens == 0:
         outcomes = [prompt_only(ids) for ids in choice_prompts]
     else:
-        events = await open_choices(state.engine, head.id, requests, state.metrics)
-        outcomes = await collect(events, len(requests))
+        choices = await open_choices(state.engine, head.id, requests, state.metrics)
+        outcomes = await collect(choices, len(requests))
     head.choices = [
         TextChoice(
             i,

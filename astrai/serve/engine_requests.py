@@ -49,7 +49,7 @@ class Generation(msgspec.Struct, frozen=True):
     parse_tools: bool = False
 
 
-def sampling(**fields) -> SamplingParams:
+def checked_sampling(**fields) -> SamplingParams:
     """SamplingParams of the fields given (None keeps the default); a value the engine does not
     take is a 400."""
     try:
@@ -81,7 +81,7 @@ def stop_list(stop: str | list[str] | None) -> list[str] | None:
 def openai_sampling(
     req: SamplingFields, max_tokens: int, top_logprobs: int | None, constraint: Constraint | None
 ) -> SamplingParams:
-    return sampling(
+    return checked_sampling(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -223,7 +223,7 @@ def message_generation(state: AppState, req: MessagesRequest) -> Generation:
     prompt, with_tools = message_prompt(state, req)
     constraint = tool_grammar(state, req)
     budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")
-    params = sampling(
+    params = checked_sampling(
         max_tokens=budget,
         temperature=req.temperature,
         top_p=req.top_p,

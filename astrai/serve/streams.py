@@ -53,8 +53,10 @@ class Choices:
         self.finished: dict[int, Event] = {}
         # One choice is read straight from its stream: a task and a wait per hand-over would
         # cost the event loop more than the rest of the tokens' way to the socket.
-        self.only = next(iter(streams.items())) if len(streams) == 1 else None
-        self.pending = {} if self.only else {ensure_future(anext(s)): i for i, s in streams.items()}
+        self.single = next(iter(streams.items())) if len(streams) == 1 else None
+        self.pending = (
+            {} if self.single else {ensure_future(anext(s)): i for i, s in streams.items()}
+        )
         self.firsts: list[tuple[int, Event]] = sorted(firsts.items())
         self.last_token: dict[int, float] = {}
 
@@ -64,8 +66,8 @@ class Choices:
     async def __anext__(self) -> list[tuple[int, Event]]:
         if self.firsts:
             handover, self.firsts = self.firsts, []
-        elif self.only:
-            i, stream = self.only
+        elif self.single:
+            i, stream = self.single
             handover = [(i, e) for e in await _with_rest_at_hand(stream, await anext(stream))]
         else:
             handover = await self._from_any()
