@@ -43,12 +43,8 @@ class Choices:
     def __init__(
         self, request_id: str, streams: dict, firsts: dict, metrics: Metrics, since: float
     ):
-        self.request_id, self.streams, self.metrics, self.since = (
-            request_id,
-            streams,
-            metrics,
-            since,
-        )
+        self.request_id, self.streams = request_id, streams
+        self.metrics, self.since = metrics, since
         metrics.open_requests[request_id] = since
         self.finished: dict[int, Event] = {}
         # One choice is read straight from its stream: a task and a wait per hand-over would
@@ -121,11 +117,12 @@ class Choices:
 
 def request_line(request_id: str, streams: dict, finished: dict, since: float) -> str:
     """What the log says about a request once it is closed: how each choice ended (a choice
-    closed before its end was cancelled), its tokens and its time."""
+    closed before its end was cancelled), its tokens over all choices (choices of one prompt
+    read theirs from the prefix cache) and its time."""
     ends = [finished[i].finish_reason if i in finished else "cancelled" for i in sorted(streams)]
     usages = [finished[i].usage for i in sorted(finished) if finished[i].usage is not None]
-    prompt = sum(u.prompt_tokens for u in usages[:1])
-    cached = sum(u.cached_tokens for u in usages[:1])
+    prompt = sum(u.prompt_tokens for u in usages)
+    cached = sum(u.cached_tokens for u in usages)
     generated = sum(u.completion_tokens for u in usages)
     return (
         f"{request_id}: {len(streams)} choice(s) {','.join(ends)}, {prompt} prompt tokens "
