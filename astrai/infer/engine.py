@@ -132,12 +132,20 @@ class Engine:
         self._send([seq], Sink(events.put))
         return Events(events, lambda: self.cancel(seq.id))
 
-    def astream(self, prompt: str | list[int], sampling: Sampling = None, **fields) -> Events:
+    def astream(
+        self,
+        prompt: str | list[int],
+        sampling: Sampling = None,
+        request_id: str | None = None,
+        **fields,
+    ) -> Events:
         """stream() for an asyncio event loop: call it inside the loop. Closing the iterator or
-        cancelling the task that reads it cancels the request and frees its pages."""
+        cancelling the task that reads it cancels the request and frees its pages.
+        `request_id` names the request in its events (a server passes its own, so that one id
+        follows a request through both); it must differ from every other live request's."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        seq = self._sequence(prompt, sampling, fields)
+        seq = self._sequence(prompt, sampling, fields, request_id)
         self._send([seq], Sink(events.put_nowait, loop))
         return Events(events, lambda: self.cancel(seq.id))
 
@@ -186,11 +194,13 @@ class Engine:
             raise message.error
         return message
 
-    def _sequence(self, prompt, sampling: Sampling, fields: dict) -> Sequence:
+    def _sequence(
+        self, prompt, sampling: Sampling, fields: dict, request_id: str | None = None
+    ) -> Sequence:
         if self._closed:
             raise RuntimeError("the engine is closed")
         request = Request(
-            f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}",
+            request_id or f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}",
             prompt,
             with_fields(sampling, fields),
         )

@@ -23,7 +23,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from astrai.config import ServeConfig
-from astrai.serve import anthropic, embeddings, openai
+from astrai.serve import anthropic, chat_completions, completions, embeddings
+from astrai.serve.bodies import json_response
 from astrai.serve.errors import (
     APIError,
     anthropic_body,
@@ -154,10 +155,6 @@ def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False
 # ---------------------------------------------------------------- the small GET routes
 
 
-def json_response(obj, status: int = 200) -> Response:
-    return Response(_encode(obj), status_code=status, media_type="application/json")
-
-
 def model_entry(state: AppState) -> Model:
     created_at = datetime.fromtimestamp(state.created, UTC).isoformat()
     return Model(
@@ -180,7 +177,10 @@ async def health(state: AppState, request: Request) -> Response:
 
 
 async def stats(state: AppState, request: Request) -> Response:
-    return json_response(state.engine.stats())
+    """The engine's stats, and the ids of the requests being answered (oldest first)."""
+    return json_response(
+        {**state.engine.stats(), "open_requests": list(state.metrics.open_requests)}
+    )
 
 
 async def metrics(state: AppState, request: Request) -> Response:
@@ -211,8 +211,8 @@ def make_app(engine, model_name: str, serve_cfg: ServeConfig | None = None) -> S
         created=now(),
     )
     table = [
-        ("/v1/chat/completions", "POST", openai.chat_completions, False),
-        ("/v1/completions", "POST", openai.completions, False),
+        ("/v1/chat/completions", "POST", chat_completions.chat_completions, False),
+        ("/v1/completions", "POST", completions.completions, False),
         ("/v1/embeddings", "POST", embeddings.embeddings, False),
         ("/v1/messages", "POST", anthropic.messages, False),
         ("/v1/messages/count_tokens", "POST", anthropic.count_tokens, False),

@@ -15,13 +15,13 @@ import torch
 from starlette.responses import Response
 
 from astrai.model import encode
+from astrai.serve.bodies import decode_body, json_response
 from astrai.serve.chat import prompt_ids
-from astrai.serve.errors import bad_request, from_decode_error
+from astrai.serve.errors import bad_request
 from astrai.serve.schemas_openai import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from astrai.serve.state import AppState, check_model
 
 _decoder = msgspec.json.Decoder(EmbeddingRequest)
-_encode_json = msgspec.json.Encoder().encode
 
 
 class EncoderModel(msgspec.Struct, frozen=True):
@@ -69,10 +69,7 @@ def as_base64(vector: torch.Tensor) -> str:
 
 
 async def embeddings(state: AppState, body: bytes) -> Response:
-    try:
-        req = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+    req = decode_body(_decoder, body)
     check_model(state, req.model)
     if not isinstance(state.engine, EncoderModel):
         raise bad_request(
@@ -93,4 +90,4 @@ async def embeddings(state: AppState, body: bytes) -> Response:
     data = [Embedding(i, as_data(v)) for i, v in enumerate(vectors)]
     n = sum(len(ids) for ids in batch)
     result = EmbeddingList(data, state.model_name, EmbeddingUsage(n, n))
-    return Response(_encode_json(result), media_type="application/json")
+    return json_response(result)

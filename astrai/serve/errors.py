@@ -72,6 +72,11 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def generation_failed(reason: str | None) -> APIError:
+    """An engine request that ended in an error: the server's fault, not the client's."""
+    return APIError(500, f"Generation failed: {reason or 'unknown error'}")
+
+
 def openai_status(err: APIError) -> int:
     return err.status
 

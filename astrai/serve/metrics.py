@@ -33,6 +33,8 @@ class Metrics(Struct):
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
     request_latency: Histogram = field(default_factory=Histogram)
+    # HTTP requests whose engine streams are open: request id -> when it came (monotonic)
+    open_requests: dict[str, float] = field(default_factory=dict)
 
 
 def observe(hist: Histogram, value: float, times: int = 1) -> None:

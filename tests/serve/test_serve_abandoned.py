@@ -21,7 +21,7 @@ class Endless:
         self.engine = engine
 
     def astream(self, prompt, sampling=None, **fields):
-        return self.engine.astream(prompt, sampling, **fields, ignore_eos=True)
+        return self.engine.astream(prompt, sampling, **{**fields, "ignore_eos": True})
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
