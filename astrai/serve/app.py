@@ -179,7 +179,10 @@ async def health(state: AppState, request: Request) -> Response:
 async def stats(state: AppState, request: Request) -> Response:
     """The engine's stats, and the ids of the requests being answered (oldest first)."""
     return json_response(
-        {**state.engine.stats(), "open_requests": list(state.metrics.open_requests)}
+        {
+            **msgspec.structs.asdict(state.engine.stats()),
+            "open_requests": list(state.metrics.open_requests),
+        }
     )
 
 
