@@ -49,8 +49,8 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.seen, self.release = engine, [], None
 
-    def astream(self, prompt, **kwargs):
-        return Recorded(self.engine.astream(prompt, **kwargs), self.seen, self.release)
+    def astream(self, prompt, sampling=None, **fields):
+        return Recorded(self.engine.astream(prompt, sampling, **fields), self.seen, self.release)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
