@@ -55,10 +55,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_mfu(tokens_per_s: float, cfg: ModelConfig, batch: dict, precision: str, device) -> float:
-    """The MFU of a run training `cfg` on batches shaped like `batch` in `precision`."""
+def run_mfu(
+    tokens_per_s: float, cfg: ModelConfig, batch: dict, precision: str, device
+) -> float | None:
+    """The MFU of a run training `cfg` on batches shaped like `batch` in `precision`; None for
+    a batch without token ids (a custom source's), whose length it cannot know."""
+    seq_len = seq_len_of(batch)
+    if seq_len is None:
+        return None
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-    flops = train_flops_per_token(cfg, seq_len_of(batch))
+    flops = train_flops_per_token(cfg, seq_len)
     return mfu(tokens_per_s, flops, matmul_peak_gflops(torch.device(device), dtype))
 
 
@@ -67,7 +73,9 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_gflops: float) -> floa
     return tokens_per_s * flops_per_token / (peak_gflops * 1e9)
 
 
-def seq_len_of(batch: dict) -> int:
+def seq_len_of(batch: dict) -> int | None:
     """The sequence length of a training batch (its token-id tensors' last dimension)."""
-    ids = next(v for k, v in batch.items() if k.endswith("_ids") and isinstance(v, torch.Tensor))
-    return ids.shape[-1]
+    for key, value in batch.items():
+        if key.endswith("_ids") and isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value.shape[-1]
+    return None

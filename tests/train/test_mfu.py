@@ -24,6 +24,7 @@ def test_mfu_is_the_share_of_the_measured_peak():
     assert peak > 0 and matmul_peak_gflops(torch.device("cpu"), torch.float32) == peak  # once
     assert mfu(1000.0, 2e6, 4.0) == 0.5
     assert seq_len_of({"input_ids": torch.zeros(2, 7), "labels": torch.zeros(2, 7)}) == 7
+    assert seq_len_of({"features": torch.zeros(2, 7)}) is None  # no ids: no MFU
 
 
 def test_the_progress_line_and_the_metrics_show_mfu(tmp_path):
