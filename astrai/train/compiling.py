@@ -25,13 +25,11 @@ _NOTED: set[str] = set()  # "compile = auto" reasons already printed: one line p
 
 
 def inductor_cache_dir() -> Path:
-    """Where inductor keeps compiled kernels and graphs between runs: TORCHINDUCTOR_CACHE_DIR
-    when set, else ~/.cache/astrai/torchinductor (torch's own default is under /tmp, which a
-    reboot empties)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "astrai" / "torchinductor"
+    """Where inductor keeps compiled graphs and kernels between runs: TORCHINDUCTOR_CACHE_DIR,
+    which torch fills in with its default (/tmp/torchinductor_$USER) when importing inductor."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
 
 
 def compiler_missing(device: torch.device) -> str | None:
@@ -77,7 +75,6 @@ def _note(line: str) -> None:
 def compiled(fn, what: str = "the gradient function"):
     """torch.compile(fn), falling back to eager (with one clear message) if compiling fails;
     the first call, which compiles (or reads the cache), is timed and reported."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     # fullgraph: a graph break inside a torch.func transform would silently run it all eagerly;
     # failing loudly leads to the message below instead.
     traced = torch.compile(fn, dynamic=False, fullgraph=True)
@@ -104,7 +101,7 @@ def compiled(fn, what: str = "the gradient function"):
                     seconds = time.perf_counter() - started
                     print(
                         f"astrai: compiled {what} in {seconds:.1f} s "
-                        f"(cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})",
+                        f"(cached in {inductor_cache_dir()})",
                         file=sys.stderr,
                         flush=True,
                     )
