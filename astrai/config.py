@@ -740,8 +740,9 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     float32."""
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     """`"auto"` (CUDA when available, else CPU), `"cpu"`, `"cuda"`, `"cuda:1"`, ..."""
-    compile: bool = False
-    """Run the gradient computation through `torch.compile`."""
+    compile: bool | Literal["auto"] = "auto"
+    """Run the gradient computation through `torch.compile`: `"auto"` does when a C++ compiler
+    (GPUs: Triton) is present and the run is long enough to repay compiling (docs/training.md)."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass: less memory, more compute."""
     grad_engine: Literal["auto", "func", "autograd"] = "auto"  # see docs/training.md
@@ -822,7 +823,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         # Sharded params are DTensors gathered as the model reads them: eager torch.autograd only.
         unsupported = {
             "lora.rank > 0 (adapters are small: train them with mode 'data')": self.lora.rank,
-            "compile = true": self.compile,
+            "compile = true": self.compile is True,
             "grad_engine 'func'": self.grad_engine == "func",
             "grpo rollouts (sampling needs whole weights)": self.rollouts,
         }

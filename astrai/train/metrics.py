@@ -79,8 +79,10 @@ def progress_line(step: int, max_steps: int, metrics: dict, tok_s: float, eta: f
         f"loss {metrics['loss']:.4f}",
         f"lr {metrics['lr']:.2e}",
         f"{tok_s:,.0f} tok/s",
-        f"eta {_duration(eta)}",
     ]
+    if "mfu" in metrics:  # model flops per second over the dtype's measured matmul peak
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+    parts.append(f"eta {_duration(eta)}")
     if metrics.get("skipped"):
         parts.append(f"skipped {metrics['skipped']}")
     return "  ".join(parts)

@@ -44,6 +44,7 @@ from astrai.train.metrics import (
     show_progress,
     truncate_metrics,
 )
+from astrai.train.mfu import run_mfu
 from astrai.train.model_folder import run_tokenizer
 from astrai.train.sharded import gathered, is_sharded, mesh_for, shard_params
 from astrai.train.state import TrainState, init_train_state, model_params
@@ -226,6 +227,11 @@ def run_step(state: TrainState, batch: dict, run: Run) -> tuple[TrainState, dict
     log_now = run.dist.is_main and (step % cfg.log_every == 0 or eval_now or step == cfg.max_steps)
     if log_now:
         metrics["tokens_per_s"] = run.throughput.tokens_per_s()
+        share = run_mfu(
+            metrics["tokens_per_s"], state.model_config, batch, cfg.precision, state.device
+        )
+        if share is not None:
+            metrics["mfu"] = share
     if eval_now:
         if run.valid is not None:
             metrics["eval_loss"] = evaluate(state, run)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 
 import msgspec
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from astrai.config import ModelConfig, TrainConfig
+from astrai.train.compiling import compiled, should_compile
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
@@ -87,20 +87,21 @@ def _autograd_grad_and_value(objective):
 _GRAD_FNS: dict[bytes, object] = {}
 
 
-def grad_fn(model_cfg: ModelConfig, train_cfg: TrainConfig):
+def grad_fn(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device):
     """The (possibly compiled) gradient function for these configs, built once and reused."""
-    key = msgspec.json.encode([model_cfg, train_cfg])
+    key = msgspec.json.encode([model_cfg, train_cfg, str(device)])
     if key not in _GRAD_FNS:
         objective = _objective(model_cfg, train_cfg)
-        if grad_engine(train_cfg) == "func":
+        compile_it = should_compile(train_cfg, device)
+        if grad_engine(train_cfg, compile_it) == "func":
             fn = torch.func.grad_and_value(objective, has_aux=True)
         else:
             fn = _autograd_grad_and_value(objective)
-        _GRAD_FNS[key] = _compiled(fn) if train_cfg.compile else fn
+        _GRAD_FNS[key] = compiled(fn) if compile_it else fn
     return _GRAD_FNS[key]
 
 
-def grad_engine(train_cfg: TrainConfig) -> str:
+def grad_engine(train_cfg: TrainConfig, compiling: bool) -> str:
     """ "func" or "autograd". Both compute the same gradients of the same objective. "auto"
     takes torch.func when compiling (AOTAutograd traces it into one graph) and torch.autograd
     in eager mode, where torch.func's transform accumulates gradients out of place, which
@@ -108,33 +109,7 @@ def grad_engine(train_cfg: TrainConfig) -> str:
     checkpointing always needs torch.autograd."""
     if train_cfg.grad_engine != "auto":
         return train_cfg.grad_engine
-    return "func" if train_cfg.compile and not train_cfg.activation_checkpointing else "autograd"
-
-
-def _compiled(fn):
-    """torch.compile(fn), falling back to eager (with one clear message) if compiling fails."""
-    # fullgraph: a graph break inside a torch.func transform would silently run it all eagerly;
-    # failing loudly leads to the message below instead.
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-    use_eager = False
-
-    def run(*args):
-        nonlocal use_eager
-        if not use_eager:
-            try:
-                # RoPE reads the largest position as a Python int; let it stay in the graph.
-                with torch._dynamo.config.patch(capture_scalar_outputs=True):
-                    return compiled(*args)
-            except Exception as exc:  # a missing compiler or backend shows up on the first call
-                use_eager = True
-                print(
-                    f"astrai: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                    "training continues in eager mode. Set compile = false to silence this.",
-                    file=sys.stderr,
-                )
-        return fn(*args)
-
-    return run
+    return "func" if compiling and not train_cfg.activation_checkpointing else "autograd"
 
 
 # --- the step ----------------------------------------------------------------------------------
@@ -172,7 +147,7 @@ def _accumulate(state: TrainState, batch, generator):
     """Weighted gradient sum over micro-batches -> (grad leaves, spec, stat names, stats)."""
     train_cfg, lora = state.train_config, state.lora
     lora_scale = None if lora is None else lora["scale"]
-    fn = grad_fn(state.model_config, train_cfg)
+    fn = grad_fn(state.model_config, train_cfg, state.device)
     total, names, stats = None, None, None
     for micro in micro_batches(batch, train_cfg.grad_accum):
         micro = _to_device(micro, state.device)

@@ -11,6 +11,7 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.model import param_shapes
+from astrai.train.mfu import matmul_peak_gflops
 
 from .timing import timed
 
@@ -40,13 +41,10 @@ def weights_read_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) 
     return _best_rate(lambda: a.sum(), a.element_size() * a.numel(), device, repeats)
 
 
-def matmul_gflops(
-    device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5
-) -> float:
-    """Peak-ish matmul speed: the best of `repeats` square n x n products, in GFLOP/s."""
-    a = torch.rand(n, n, device=device).to(dtype)
-    b = torch.rand(n, n, device=device).to(dtype)
-    return _best_rate(lambda: a @ b, 2 * n**3, device, repeats)
+def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 1024) -> float:
+    """Peak-ish matmul speed: the best of five square n x n products, in GFLOP/s; the same
+    measurement `just train`'s MFU divides by (astrai.train.mfu)."""
+    return matmul_peak_gflops(device, dtype, n)
 
 
 def _best_rate(fn, units: int, device: torch.device, repeats: int) -> float:

@@ -10,12 +10,14 @@ from tiny_run import TINY, same_tensors, tiny_train_config
 from astrai.model import forward, init_params, token_logps
 from astrai.train import (
     TrainingDiverged,
+    compiling,
     init_train_state,
     synthetic_batch,
     train_step,
     with_reference_logps,
 )
 from astrai.train.batches import GRPO_GROUP
+from astrai.train.compiling import AUTO_MIN_STEPS, compiler_missing, should_compile
 
 
 def _batch(kind, index, rows=8, seq_len=16):
@@ -169,3 +171,40 @@ def test_compile_falls_back_to_eager_with_a_message(monkeypatch, capsys):
         compiled, _ = train_step(compiled, _batch("seq", i))
     assert "torch.compile failed" in capsys.readouterr().err
     assert same_tensors(eager.params, compiled.params)
+
+
+def test_compile_auto_compiles_only_long_runs_with_a_compiler(monkeypatch, capsys):
+    cpu = torch.device("cpu")
+    long_run = tiny_train_config(max_steps=AUTO_MIN_STEPS)
+    assert not should_compile(tiny_train_config(max_steps=AUTO_MIN_STEPS - 1), cpu)
+    assert not should_compile(tiny_train_config(max_steps=AUTO_MIN_STEPS, compile=False), cpu)
+    assert should_compile(tiny_train_config(max_steps=2, compile=True), cpu)
+    checkpointed = tiny_train_config(max_steps=AUTO_MIN_STEPS, activation_checkpointing=True)
+    assert not should_compile(checkpointed, cpu)
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert not should_compile(long_run, cpu) and not should_compile(long_run, cpu)
+    err = capsys.readouterr().err
+    assert err.count("no C++ compiler") == 1 and "eager mode" in err  # said once
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert should_compile(long_run, cpu)
+
+
+@pytest.mark.skipif(compiler_missing(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_compiled_and_eager_steps_give_the_same_loss_curve(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    steps = 4
+    curves = {}
+    for compile_it in (False, True):
+        cfg = tiny_train_config(max_steps=steps, compile=compile_it, optimizer=SGD)
+        state, curve = init_train_state(init_params(TINY, seed=0), cfg), []
+        for i in range(steps):
+            state, metrics = train_step(state, _batch("seq", i, seq_len=16))
+            curve.append(metrics["loss"])
+        curves[compile_it] = curve
+    assert "compiled the gradient function in" in capsys.readouterr().err
+    # Each loss is a forward pass on params that took i SGD steps, each step a gradient whose
+    # roundings differ between inductor's fused kernels and eager's (and between the engines).
+    for i, (eager, compiled_loss) in enumerate(zip(curves[False], curves[True])):
+        roundings = (i + 1) * gradient_roundings(TINY, 16, 8 * 16)
+        assert compiled_loss == approx(eager, roundings)

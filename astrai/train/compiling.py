@@ -1,0 +1,111 @@
+"""Whether a run compiles its gradient function (`compile = "auto" | true | false`), and
+`torch.compile` with a fallback to eager, its compile time reported and its work cached on disk.
+
+"auto" compiles where it can win: a run of at least `AUTO_MIN_STEPS` steps (compiling takes
+tens of seconds on a CPU, which a short run cannot earn back), fixed batch shapes (GRPO's
+rollouts change length every round, and each new shape would compile again), no activation
+checkpointing or sharding (neither traces into one graph), and a compiler inductor can call.
+docs/training.md has the measurements behind it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from astrai.config import TrainConfig
+
+AUTO_MIN_STEPS = 200
+_NOTED: set[str] = set()  # "compile = auto" reasons already printed: one line per process
+
+
+def inductor_cache_dir() -> Path:
+    """Where inductor keeps compiled graphs and kernels between runs: TORCHINDUCTOR_CACHE_DIR,
+    which torch fills in with its default (/tmp/torchinductor_$USER) when importing inductor."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why inductor cannot build kernels for `device` here, or None when it can: CPU kernels
+    are C++ built by the system's compiler, GPU kernels Triton's."""
+    if device.type == "cpu":
+        names = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+        if not any(name and shutil.which(name) for name in names):
+            return "no C++ compiler (g++, c++ or clang++) on PATH"
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return f"Triton is not installed (inductor's {device.type} kernels need it)"
+    return None
+
+
+def should_compile(train_cfg: TrainConfig, device: torch.device) -> bool:
+    """compile = true or false as given; "auto" per the module docstring (a missing compiler
+    is said once, on stderr)."""
+    if train_cfg.compile != "auto":
+        return bool(train_cfg.compile)
+    if (
+        train_cfg.max_steps < AUTO_MIN_STEPS
+        or train_cfg.activation_checkpointing
+        or train_cfg.parallel.sharded
+        or train_cfg.rollouts
+    ):
+        return False
+    missing = compiler_missing(device)
+    if missing:
+        _note(f"astrai: compile = auto: {missing}; training runs in eager mode")
+        return False
+    return True
+
+
+def _note(line: str) -> None:
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def compiled(fn, what: str = "the gradient function"):
+    """torch.compile(fn), falling back to eager (with one clear message) if compiling fails;
+    the first call, which compiles (or reads the cache), is timed and reported."""
+    # fullgraph: a graph break inside a torch.func transform would silently run it all eagerly;
+    # failing loudly leads to the message below instead.
+    traced = torch.compile(fn, dynamic=False, fullgraph=True)
+    use_eager, first = False, True
+
+    def run(*args):
+        nonlocal use_eager, first
+        if not use_eager:
+            started = time.perf_counter()
+            try:
+                # RoPE reads the largest position as a Python int; let it stay in the graph.
+                with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                    out = traced(*args)
+            except Exception as exc:  # a missing compiler or backend shows up on the first call
+                use_eager = True
+                print(
+                    f"astrai: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                    "training continues in eager mode. Set compile = false to silence this.",
+                    file=sys.stderr,
+                )
+            else:
+                if first:
+                    first = False
+                    seconds = time.perf_counter() - started
+                    print(
+                        f"astrai: compiled {what} in {seconds:.1f} s "
+                        f"(cached in {inductor_cache_dir()})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                return out
+        return fn(*args)
+
+    return run
