@@ -137,8 +137,9 @@ def _held(seq: Sequence) -> list[int]:
 
 
 def _releases_while_prefilling(s: Scheduler, seq: Sequence) -> bool:
-    """Whether seq gives pages back before its prompt is done: only where the prompt is not
-    to be cached (chunked prefill, a window, no prefix cache or a sequence never cached)."""
+    """Whether seq gives pages back before its prompt is done: for a window-only model with
+    chunked prefill, when its prompt is not to be cached (no prefix cache, or a sequence whose
+    K/V is never cached)."""
     uncached = s.cache is None or not seq.cacheable
     return s.window is not None and s.config.chunked_prefill and uncached
 
