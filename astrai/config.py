@@ -328,6 +328,17 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return False
         return any(self.is_sliding_layer(i) for i in range(self.num_hidden_layers))
 
+    @property
+    def attention_window(self) -> int | None:
+        """How many positions back any query of any layer looks: `sliding_window` when every
+        layer slides, None when some layer attends to the whole sequence. K/V further back than
+        this is never read again, so an engine may give its pages back."""
+        if self.sliding_window is None:
+            return None
+        if all(self.is_sliding_layer(i) for i in range(self.num_hidden_layers)):
+            return self.sliding_window
+        return None
+
     def is_moe_layer(self, i: int) -> bool:
         return (
             self.ffn_type == "moe"

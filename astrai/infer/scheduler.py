@@ -7,6 +7,12 @@ advance a chunk per step while running streams keep decoding. When pages run out
 nobody uses are evicted first, then the newest running sequence is preempted: its pages are
 freed and it waits again at the front of the queue, to be recomputed from its tokens later.
 
+For a window-only model (every layer slides over `window` positions) the pages wholly behind
+the window are given back as the sequence advances, so it holds about the window's pages
+however long it grows. Its prompt is offered to the prefix cache before any page goes back; a
+released page the cache also holds stays cached (giving back only drops the sequence's
+reference), and a sequence with released pages never offers its chain again.
+
 The scheduler state holds the page pool and the prefix cache. Every function that changes it
 takes it and returns it, donated: it is updated in place, and the caller goes on with what
 comes back. The sequences it holds are part of it.
@@ -35,7 +41,7 @@ from astrai.infer.radix import (
     match_prefix,
     num_evictable_pages,
 )
-from astrai.infer.sequence import Sequence
+from astrai.infer.sequence import RELEASED, Sequence
 
 
 @dataclass(eq=False)
@@ -49,6 +55,7 @@ class Scheduler:
     preemptions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    window: int | None = None  # every query looks this many positions back at most; None: all
 
 
 @dataclass
@@ -58,10 +65,11 @@ class StepPlan:
     preempted: list[Sequence]
 
 
-def init_scheduler(pool: Pool, config: EngineConfig) -> Scheduler:
-    """An empty scheduler over `pool`, whose pages hold `config.page_size` tokens each."""
+def init_scheduler(pool: Pool, config: EngineConfig, window: int | None = None) -> Scheduler:
+    """An empty scheduler over `pool`, whose pages hold `config.page_size` tokens each. With a
+    `window` (ModelConfig.attention_window) pages behind it are given back."""
     cache = init_prefix_cache(config.page_size) if config.prefix_cache else None
-    return Scheduler(pool, cache, config)
+    return Scheduler(pool, cache, config, window=window)
 
 
 def add_sequence(s: Scheduler, seq: Sequence) -> Scheduler:
@@ -100,6 +108,11 @@ def _admit(s: Scheduler) -> Scheduler:
         if _same_prefix_in_prefill(s, seq, len(cached)):
             continue
         needed = pages_for(len(seq.tokens), s.config.page_size) - len(cached)
+        if _releases_while_prefilling(s, seq):  # it never holds more than a window and a chunk
+            ps = s.config.page_size
+            needed = min(
+                needed, pages_for(s.window, ps) + 1 + pages_for(s.config.prefill_chunk, ps)
+            )
         if s.running and needed > available_pages(s) - promised:
             break  # wait for pages rather than thrash; the oldest is always let in
         promised += needed
@@ -118,11 +131,24 @@ def _admit(s: Scheduler) -> Scheduler:
     return s
 
 
+def _held(seq: Sequence) -> list[int]:
+    """The pages seq still holds: its pages less those given back."""
+    return seq.pages[seq.released :]
+
+
+def _releases_while_prefilling(s: Scheduler, seq: Sequence) -> bool:
+    """Whether seq gives pages back before its prompt is done: for a window-only model with
+    chunked prefill, when its prompt is not to be cached (no prefix cache, or a sequence whose
+    K/V is never cached)."""
+    uncached = s.cache is None or not seq.cacheable
+    return s.window is not None and s.config.chunked_prefill and uncached
+
+
 def preempt(s: Scheduler, seq: Sequence) -> Scheduler:
     """Give up a running sequence's pages; it waits at the front to be recomputed."""
     s.running.remove(seq)
-    s.pool = free_pages(s.pool, seq.pages)
-    seq.pages, seq.computed = [], 0
+    s.pool = free_pages(s.pool, _held(seq))
+    seq.pages, seq.computed, seq.released = [], 0, 0
     seq.preemptions += 1
     s.preemptions += 1
     s.waiting.appendleft(seq)
@@ -249,11 +275,12 @@ def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> Schedule
         s.running.remove(seq)
     elif seq in s.waiting:
         s.waiting.remove(seq)
-    if cache and seq.cacheable and s.cache is not None and seq.pages:
+    # a chain with pages given back no longer starts at the root: nothing to offer
+    if cache and seq.cacheable and s.cache is not None and seq.pages and not seq.released:
         s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
-    if seq.pages:
-        s.pool = free_pages(s.pool, seq.pages)
-    seq.pages = []
+    if _held(seq):
+        s.pool = free_pages(s.pool, _held(seq))
+    seq.pages, seq.released = [], 0
     return s
 
 
@@ -272,8 +299,27 @@ def fed(s: Scheduler, seq: Sequence, n: int) -> Scheduler:
     runs can share its pages."""
     seq.computed += n
     prompt_done = seq.computed - n < seq.prompt_len <= seq.computed
-    if prompt_done and seq.cacheable and s.cache is not None:
+    if prompt_done and seq.cacheable and s.cache is not None and not seq.released:
         s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+    return release_behind(s, seq)
+
+
+def release_behind(s: Scheduler, seq: Sequence) -> Scheduler:
+    """Give back seq's pages that lie wholly behind the window of every query still to come.
+    The next query sits at position `computed` and sees keys from computed + 1 - window on, so
+    page j (positions up to (j + 1) * page_size - 1) is never read again once
+    (j + 1) * page_size <= computed + 1 - window. A prompt to be cached keeps its pages until
+    it is done and offered (see fed)."""
+    if s.window is None:
+        return s
+    if seq.computed < seq.prompt_len and not _releases_while_prefilling(s, seq):
+        return s
+    behind = min((seq.computed + 1 - s.window) // s.config.page_size, len(seq.pages))
+    if behind <= seq.released:
+        return s
+    s.pool = free_pages(s.pool, seq.pages[seq.released : behind])
+    seq.pages[seq.released : behind] = [RELEASED] * (behind - seq.released)
+    seq.released = behind
     return s
 
 

@@ -14,6 +14,8 @@ import torch
 
 from astrai.infer.sampling import SamplingParams
 
+RELEASED = -1  # the entry in Sequence.pages of a page given back (any valid page stands in)
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -33,6 +35,9 @@ class Sequence:
     arrival: int = 0  # admission order; the newest running sequence is preempted first
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # leading tokens whose K/V are in `pages`
+    # leading pages given back once wholly behind the window of a window-only model; their
+    # entries in `pages` are RELEASED, so page counts still follow positions
+    released: int = 0
     cached_tokens: int = -1  # prompt tokens the prefix cache gave at first admission
     preemptions: int = 0
     cacheable: bool = True  # False once its K/V may come from weights since replaced

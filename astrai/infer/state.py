@@ -66,7 +66,8 @@ def init_engine(
     pool = init_pages(
         cfg, config.num_pages, config.page_size, DTYPES[config.dtype], torch.device(config.device)
     )
-    return EngineState(cfg, tokenizer, config, init_scheduler(pool, config), [], Totals())
+    sched = init_scheduler(pool, config, cfg.attention_window)
+    return EngineState(cfg, tokenizer, config, sched, [], Totals())
 
 
 def request_seed(engine_seed: int, n: int) -> int:

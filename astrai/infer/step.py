@@ -34,8 +34,11 @@ from astrai.model import Params
 
 
 def _page_table(seqs: list[Sequence]) -> torch.Tensor:
+    """Each sequence's pages, padded; a page given back (RELEASED) reads as page 0, which the
+    window mask hides like the padding."""
     width = max(len(seq.pages) for seq in seqs)
-    return torch.tensor([seq.pages + [0] * (width - len(seq.pages)) for seq in seqs])
+    table = torch.tensor([seq.pages + [0] * (width - len(seq.pages)) for seq in seqs])
+    return table.clamp_(min=0)
 
 
 def _decode_inputs(seqs: list[Sequence], device) -> tuple[torch.Tensor, ...]:
@@ -49,7 +52,7 @@ def _decode_inputs(seqs: list[Sequence], device) -> tuple[torch.Tensor, ...]:
         ],
         device=device,
     )
-    return rows.select(1, 0), rows.select(1, 1), rows[:, 2:]
+    return rows.select(1, 0), rows.select(1, 1), rows[:, 2:].clamp_(min=0)  # as _page_table
 
 
 def _run_model(

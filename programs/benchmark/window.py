@@ -67,7 +67,7 @@ def pages_held(
     held, done = 0, False
     while not done:
         state, events = engine_step(state, params)
-        held = max(held, engine_stats(state)["pages_used"])
+        held = max(held, engine_stats(state).pages_used)
         done = any(e.finish_reason is not None for e in events)
     return held
 
