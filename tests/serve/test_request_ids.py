@@ -70,8 +70,15 @@ def logged(caplog):
     return caplog
 
 
-def log_lines(caplog, request_id: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+def log_lines(caplog, request_id: str, timeout: float = 10.0) -> list[str]:
+    """The log lines naming request_id, once there is one: the server writes a request's line
+    when its response has ended, which a client reading a stream may see first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
 
 
 def test_a_chat_completion_is_one_id_from_header_to_engine_and_log(server, logged):
