@@ -19,7 +19,10 @@ from astrai.infer.draft import (
     init_draft,
 )
 
-PAGE_SIZE, NUM_PAGES = 2, 40
+# room for the longest requests the strategies make (10 prompt tokens + 6 rounds of at most 4
+# accepted and 3 own tokens, + 4 proposed positions: 56 positions, 28 pages) three times over:
+# a draft short of pages proposes nothing, which is not what these tests are about
+PAGE_SIZE, NUM_PAGES = 2, 3 * 28
 PARAMS, CFG = make_model("gqa", seed=1)
 
 token = st.integers(0, CFG.vocab_size - 1)
