@@ -50,6 +50,18 @@ def _sweep(matrices: list, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def _best_of_rounds(candidates: dict, seconds) -> dict:
+    """Each candidate's best `seconds(candidate)` of three rounds after a warm-up, the
+    candidates alternating within a round so that the machine's drift hits them all."""
+    for value in candidates.values():
+        seconds(value)
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(3):
+        for key, value in candidates.items():
+            best[key] = min(best[key], seconds(value))
+    return best
+
+
 @functools.cache
 def _fastest_layout(
     out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
@@ -67,12 +79,7 @@ def _fastest_layout(
 
     names = runnable(dtype, (out_features, in_features))
     candidates = {name: [LAYOUTS[name](w) for w in plain] for name in names}
-    for matrices in candidates.values():
-        seconds(matrices)  # warm-up
-    best = dict.fromkeys(candidates, float("inf"))
-    for _ in range(3):
-        for name, matrices in candidates.items():
-            best[name] = min(best[name], seconds(matrices))
+    best = _best_of_rounds(candidates, seconds)
     choice = min(best, key=best.get)
     shown = ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in best.items())
     log.info(
@@ -149,12 +156,7 @@ def _fastest_int4(
                 run(x)
         return time.perf_counter() - start
 
-    for runs in candidates.values():
-        seconds(runs)  # warm-up
-    timings = dict.fromkeys(candidates, float("inf"))
-    for _ in range(3):
-        for choice, runs in candidates.items():
-            timings[choice] = min(timings[choice], seconds(runs))
+    timings = _best_of_rounds(candidates, seconds)
     best = min(timings, key=timings.get)
     shown = ", ".join(f"{k}/{g} {t * 1e3:.3f} ms" for (k, g), t in timings.items())
     log.info("int4 %dx%d (x%d): %s/%d (%s a pass)", out_features, in_features, copies, *best, shown)
