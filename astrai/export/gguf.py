@@ -10,8 +10,6 @@ x_{i+D/2}) as Hugging Face does, so the rows of the q and k projections are perm
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.export.gguf_vocab import gguf_vocab, write_vocab
+from astrai.files import write_atomically
 from astrai.model.rope import inv_frequencies
 
 try:  # the optional `export` extra
@@ -211,21 +210,18 @@ def save_gguf(
     vocab = gguf_vocab(tokenizer, cfg.vocab_size)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        writer = g.GGUFWriter(tmp, arch)
-        writer.add_name(name)
-        _write_hparams(writer, cfg, type)
-        write_vocab(writer, vocab)
-        for tensor_name, tensor in tensors.items():
-            data, qtype = _encode(tensor, type)
-            writer.add_tensor(tensor_name, data, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda tmp: _write_file(g, tmp, arch, name, cfg, type, vocab, tensors))
+
+
+def _write_file(g, tmp: str, arch: str, name: str, cfg: ModelConfig, type: str, vocab, tensors):
+    writer = g.GGUFWriter(tmp, arch)
+    writer.add_name(name)
+    _write_hparams(writer, cfg, type)
+    write_vocab(writer, vocab)
+    for tensor_name, tensor in tensors.items():
+        data, qtype = _encode(tensor, type)
+        writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

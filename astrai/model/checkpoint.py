@@ -8,14 +8,13 @@ Only safetensors are read: pickled weights (pytorch_model.bin) can run code on l
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.config import ModelConfig, write_model_config
+from astrai.files import write_atomically
 from astrai.model.hf_config import config_to_hf, model_config_from_json
 from astrai.model.hf_keys import params_from_hf, params_to_hf
 from astrai.model.params import DTYPES, param_shapes
@@ -23,17 +22,6 @@ from astrai.model.params import DTYPES, param_shapes
 
 class CheckpointError(ValueError):
     """A checkpoint folder does not hold the tensors its config describes."""
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_pretrained(
@@ -49,12 +37,14 @@ def save_pretrained(
     hf = None if cfg.family is None else config_to_hf(cfg)  # refused before anything is written
     tensors = params if hf is None else params_to_hf(params, cfg)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
+    write_atomically(
+        path / "model.safetensors", lambda tmp: save_file(tensors, tmp, {"format": "pt"})
+    )
     if hf is None:
-        _atomic_write(path / "config.json", lambda tmp: write_model_config(tmp, cfg))
+        write_atomically(path / "config.json", lambda tmp: write_model_config(tmp, cfg))
     else:
         text = json.dumps(hf, indent=2) + "\n"
-        _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(text))
+        write_atomically(path / "config.json", lambda tmp: Path(tmp).write_text(text))
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.config import LORA_TARGETS, LoraConfig, ModelConfig
-from astrai.model.checkpoint import _atomic_write
+from astrai.files import write_atomically
 from astrai.model.hf_keys import FUSED_IN_FILES
 from astrai.model.layers import FUSED
 from astrai.model.params import param_shapes
@@ -214,7 +214,7 @@ def save_lora(path: str | Path, lora: dict, cfg: ModelConfig, base_model: str = 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     weights_file = folder / WEIGHTS_FILE
-    _atomic_write(weights_file, lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
+    write_atomically(weights_file, lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
     text = json.dumps(config, indent=2) + "\n"
-    _atomic_write(folder / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text))
+    write_atomically(folder / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text))
     return folder
