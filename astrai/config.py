@@ -1047,6 +1047,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding", "max_adapter_rank"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
+        if self.adapter_targets is not None and not self.adapter_targets:
+            raise ValueError("adapter_targets must name at least one module when given")
 
 
 class ServeConfig(EngineConfig, frozen=True, forbid_unknown_fields=True):

@@ -30,6 +30,7 @@ from astrai.infer import (
     unload_adapter,
 )
 from astrai.infer import adapters as adapters_module
+from astrai.infer import step as step_module
 from astrai.infer.radix import num_cached_pages
 from astrai.infer.step import engine_step
 from astrai.infer.support import products_here
@@ -119,6 +120,29 @@ def test_a_batch_of_eight_adapters_and_base_rows_gives_each_merged_model(longest
         assert moved > 10 * roundings * torch.finfo(torch.float32).eps * base.abs().max().item()
     assert ways[0] == ("grouped_lora" if longest > 16 else "mixed_lora")
     assert set(ways[1:]) == {"mixed_lora"}  # the decode steps
+
+
+def test_decode_runs_give_each_row_its_adapters_tokens(monkeypatch):
+    """Runs of decode steps back to back (no log-probs asked) bind the batch once for the run:
+    the same tokens as one step at a time."""
+    runs = []
+    decode_run = step_module._decode_run
+    monkeypatch.setattr(step_module, "_decode_run", lambda *a: runs.append(a[3]) or decode_run(*a))
+    params, cfg = make_model("gqa")
+    adapters = dict(list(eight_adapters(params, cfg).items())[:4])
+    names = [*adapters, None]
+    prompts = prompts_for(cfg, len(names), seed=2)
+    greedy = SamplingParams(max_tokens=9, temperature=0.0)
+    done = {}
+    for run in (1, 4):
+        state = init_engine(params, cfg, None, decode_run=run, **SETTINGS)
+        for name, (lora, lora_cfg) in adapters.items():
+            state = load_adapter(state, name, lora, lora_cfg)
+        requests = [Request(f"r{i}", p, greedy, n) for i, (p, n) in enumerate(zip(prompts, names))]
+        done[run] = [c.token_ids for c in run_requests(state, params, requests)[1]]
+    assert runs and all(steps > 1 for steps in runs)  # decode_run=4 ran steps back to back
+    assert done[4] == done[1]
+    assert done[1][-1] == alone(params, cfg, prompts[-1], greedy).token_ids  # the base row
 
 
 ENGINE_KINDS = [
