@@ -975,6 +975,18 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     HTTP 429 / 529). 0: no limit."""
     prefix_cache: bool = True
     """Share the K/V of equal prompt prefixes between requests (the radix prefix cache)."""
+    max_adapters: int = 8
+    """LoRA adapters loaded at once (`Engine.load_adapter`): the slots of the adapter stack,
+    allocated at the first load. A batch that mixes adapters multiplies its rows by every slot
+    and masks what each row does not use, so its cost grows with this number, not with the
+    adapters the batch uses."""
+    max_adapter_rank: int | None = None
+    """The highest rank an adapter may have; lower ranks are padded with zeros. Not set: the
+    rank of the first adapter loaded (while none is loaded the stack is dropped, and the next
+    load sets it again)."""
+    adapter_targets: tuple[str, ...] | None = None
+    """The modules adapters may adapt (e.g. ["q_proj", "v_proj"]); the stack holds room for
+    each of them in every slot. Not set: the modules of the first adapter loaded."""
     device: str = "cpu"
     """Where the weights and the page pool live: cpu, cuda, cuda:1, mps, ..."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
@@ -1021,12 +1033,18 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _require_positive(
-            self, "page_size", "max_batch", "prefill_chunk", "decode_run", "max_pool_bytes"
+            self,
+            "page_size",
+            "max_batch",
+            "prefill_chunk",
+            "decode_run",
+            "max_pool_bytes",
+            "max_adapters",
         )
         _require_non_negative(
             self, "max_waiting", "stream_interval_ms", "decode_run_ms", "stats_interval_ms"
         )
-        for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding"):
+        for name in ("num_pages", "max_seq_len", "prefill_chunk_decoding", "max_adapter_rank"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive when given, got {getattr(self, name)}")
 

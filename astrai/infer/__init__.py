@@ -3,6 +3,16 @@ continuous batching as pure functions over an engine state (step.py) and the Eng
 them on a background thread."""
 
 from astrai.infer.acceptance import Verdict, verify_greedy, verify_sampled
+from astrai.infer.adapters import (
+    AdapterError,
+    AdapterInfo,
+    AdapterInUse,
+    AdapterMismatch,
+    UnknownAdapter,
+    adapter_list,
+    load_adapter,
+    unload_adapter,
+)
 from astrai.infer.constraints import (
     Constraint,
     ConstraintError,
@@ -68,6 +78,10 @@ from astrai.infer.step import engine_step, run_requests
 from astrai.infer.support import products_here
 
 __all__ = [
+    "AdapterError",
+    "AdapterInUse",
+    "AdapterInfo",
+    "AdapterMismatch",
     "Completion",
     "Constraint",
     "ConstraintError",
@@ -89,9 +103,11 @@ __all__ = [
     "SamplingParams",
     "SpecStats",
     "StreamEvent",
+    "UnknownAdapter",
     "Usage",
     "Verdict",
     "accept_token",
+    "adapter_list",
     "add_request",
     "alloc_pages",
     "allowed_tokens",
@@ -117,6 +133,7 @@ __all__ = [
     "init_prefix_cache",
     "insert_prefix",
     "kernels_used",
+    "load_adapter",
     "match_prefix",
     "native_bf16",
     "num_free_pages",
@@ -133,6 +150,7 @@ __all__ = [
     "speculative_generate",
     "start_constraint",
     "token_logprobs",
+    "unload_adapter",
     "verify_forward",
     "verify_greedy",
     "verify_sampled",

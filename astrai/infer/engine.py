@@ -14,22 +14,38 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable
+from os import PathLike
 from typing import Any
 
-from astrai.config import EngineConfig, ModelConfig
+from astrai.config import EngineConfig, LoraConfig, ModelConfig
+from astrai.infer.adapters import AdapterInfo, load_adapter, unload_adapter
 from astrai.infer.delivery import Sink
 from astrai.infer.events import Completion, Events, wait_all, wait_one
-from astrai.infer.inbox import Call, Cancel, Close, Message, Started, Submit, SwapParams, Waiting
+from astrai.infer.inbox import (
+    Call,
+    Cancel,
+    ChangeState,
+    Close,
+    Message,
+    Started,
+    Submit,
+    SwapParams,
+    Waiting,
+)
 from astrai.infer.requests import Request, new_sequence
 from astrai.infer.sampling import SamplingParams, with_fields
 from astrai.infer.sequence import Sequence
 from astrai.infer.stats import EngineStats
 from astrai.infer.worker import THREAD_NAME, EngineLoop
-from astrai.model import Params
+from astrai.model import DTYPES, Params
+from astrai.model.lora_folder import UnknownAdapter, load_lora
 
 __all__ = ["THREAD_NAME", "Engine"]
 
 Sampling = SamplingParams | None
+# An adapter to load: a folder (PEFT's adapter_config.json + adapter_model.safetensors, or a
+# `just train` run folder with `adapter/`), or in memory (lora params, LoraConfig).
+AdapterSource = str | PathLike | tuple[dict, LoraConfig]
 
 
 class Engine:
@@ -97,21 +113,37 @@ class Engine:
     # ------------------------------------------------------------------ public API
 
     def generate(
-        self, prompts: list[str | list[int]], sampling: Sampling = None, **fields
+        self,
+        prompts: list[str | list[int]],
+        sampling: Sampling = None,
+        adapter: str | list[str | None] | None = None,
+        **fields,
     ) -> list[Completion]:
         """Generate for every prompt, batched (all join before the same step, so the batches,
-        and the numbers, do not depend on timing); blocks until all are done."""
+        and the numbers, do not depend on timing); blocks until all are done. `adapter`: the
+        LoRA adapter of every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("generate takes a list of prompts; use submit or stream for one")
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seqs = [self._sequence(p, sampling, fields) for p in prompts]
+        seqs = [self._sequence(p, sampling, fields, None, a) for p, a in zip(prompts, adapters)]
         self._send(seqs, Sink(events.put))  # one caller's work: checked against max_waiting once
         return wait_all(events, [seq.id for seq in seqs])
 
-    def submit(self, prompt: str | list[int], sampling: Sampling = None, **fields) -> str:
-        """Queue one request and return its id at once; `result(id)` waits for it."""
+    def submit(
+        self,
+        prompt: str | list[int],
+        sampling: Sampling = None,
+        adapter: str | None = None,
+        **fields,
+    ) -> str:
+        """Queue one request and return its id at once; `result(id)` waits for it. `adapter`:
+        a loaded LoRA adapter's name (None: the base model); UnknownAdapter otherwise, as for
+        every entry point."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seq = self._sequence(prompt, sampling, fields)
+        seq = self._sequence(prompt, sampling, fields, None, adapter)
         self._results[seq.id] = events
         self._send([seq], Sink(events.put))
         return seq.id
@@ -125,10 +157,16 @@ class Engine:
         del self._results[request_id]
         return completion
 
-    def stream(self, prompt: str | list[int], sampling: Sampling = None, **fields) -> Events:
+    def stream(
+        self,
+        prompt: str | list[int],
+        sampling: Sampling = None,
+        adapter: str | None = None,
+        **fields,
+    ) -> Events:
         """Submit now; iterate the request's events. Leaving the loop early cancels it."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seq = self._sequence(prompt, sampling, fields)
+        seq = self._sequence(prompt, sampling, fields, None, adapter)
         self._send([seq], Sink(events.put))
         return Events(events, lambda: self.cancel(seq.id))
 
@@ -137,6 +175,7 @@ class Engine:
         prompt: str | list[int],
         sampling: Sampling = None,
         request_id: str | None = None,
+        adapter: str | None = None,
         **fields,
     ) -> Events:
         """stream() for an asyncio event loop: call it inside the loop. Closing the iterator or
@@ -145,7 +184,7 @@ class Engine:
         follows a request through both); it must differ from every other live request's."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        seq = self._sequence(prompt, sampling, fields, request_id)
+        seq = self._sequence(prompt, sampling, fields, request_id, adapter)
         self._send([seq], Sink(events.put_nowait, loop))
         return Events(events, lambda: self.cancel(seq.id))
 
@@ -163,6 +202,45 @@ class Engine:
         decodes with (read them, don't change them), and its result; blocks until done. Torch
         work of the process stays on the one compute thread (e.g. `forward` to score a prompt)."""
         return self._ask(Call(fn)).result
+
+    def load_adapter(self, name: str, source: AdapterSource) -> AdapterInfo:
+        """Load a LoRA adapter under `name`, for requests that name it (`adapter=name`), between
+        two steps; running requests go on unchanged. source: a folder (PEFT's
+        adapter_config.json + adapter_model.safetensors, or a `just train` run folder), read on
+        the engine thread, or (lora params, LoraConfig) in memory. Raises AdapterMismatch
+        naming the module and shapes that do not fit the base model or the engine's adapter
+        stack (EngineConfig.max_adapter_rank, adapter_targets), AdapterError for a name already
+        loaded, no free slot (max_adapters) or a folder that cannot be read."""
+        if isinstance(source, str | PathLike):
+            path = source
+            dtype, device = DTYPES[self.config.dtype], self.config.device
+
+            def read() -> tuple[dict, LoraConfig]:
+                return load_lora(path, self.cfg, dtype, device)
+        elif isinstance(source, tuple) and len(source) == 2:
+            read = lambda: source  # noqa: E731
+        else:
+            raise TypeError(
+                "an adapter's source is a folder or (lora params, LoraConfig), got "
+                f"{type(source).__name__}"
+            )
+
+        def load(state):
+            state = load_adapter(state, name, *read())
+            return state, state.adapters.info[name]
+
+        return self._ask(ChangeState(load)).result
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name` between two steps; its prefix-cache pages are freed. Raises
+        UnknownAdapter when it is not loaded, and AdapterInUse (with the count) while running
+        or waiting requests use it: refused, not drained, so that no running request changes
+        (stop sending it requests, let them finish or cancel them, then unload)."""
+        self._ask(ChangeState(lambda state: (unload_adapter(state, name), None)))
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The loaded adapters (name, rank, alpha, targets), in the order they were loaded."""
+        return list(self._loop.adapters.values())
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals, as
@@ -184,7 +262,7 @@ class Engine:
 
     # ------------------------------------------------------------------ caller side
 
-    def _ask(self, message: SwapParams | Call) -> SwapParams | Call:
+    def _ask(self, message: SwapParams | Call | ChangeState) -> SwapParams | Call | ChangeState:
         """Send a message the thread answers, and wait for the answer."""
         if self._closed:
             raise RuntimeError("the engine is closed")
@@ -195,14 +273,23 @@ class Engine:
         return message
 
     def _sequence(
-        self, prompt, sampling: Sampling, fields: dict, request_id: str | None = None
+        self,
+        prompt,
+        sampling: Sampling,
+        fields: dict,
+        request_id: str | None = None,
+        adapter: str | None = None,
     ) -> Sequence:
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if adapter is not None and adapter not in self._loop.adapters:
+            loaded = sorted(self._loop.adapters)
+            raise UnknownAdapter(f"adapter {adapter!r} is not loaded (loaded: {loaded})")
         request = Request(
             request_id or f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}",
             prompt,
             with_fields(sampling, fields),
+            adapter,
         )
         return new_sequence(self.cfg, self.config, self.tokenizer, request)
 

@@ -42,6 +42,17 @@ class Call:
 
 
 @dataclass
+class ChangeState:
+    """fn(engine state) -> (engine state, result), run on the engine thread between two steps
+    (loading and unloading adapters); an error leaves the state as it was."""
+
+    fn: Callable[[Any], tuple[Any, Any]]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: Exception | None = None
+
+
+@dataclass
 class Close:
     pass
 
@@ -54,7 +65,7 @@ class Started:
     error: BaseException | None = None
 
 
-Message = Submit | Cancel | SwapParams | Call | Close
+Message = Submit | Cancel | SwapParams | Call | ChangeState | Close
 
 
 @dataclass(eq=False)

@@ -15,11 +15,13 @@ from astrai.infer.sequence import Sequence
 
 class Request(msgspec.Struct, frozen=True):
     """What a caller asks for: a prompt (text, or token ids) and how to sample it. The id names
-    the request in the events; it must differ from those of the requests still running."""
+    the request in the events; it must differ from those of the requests still running.
+    `adapter` names a loaded LoRA adapter to run it with (None: the base model)."""
 
     id: str
     prompt: str | list[int]
     sampling: SamplingParams = SamplingParams()
+    adapter: str | None = None
 
 
 def tokenize(cfg: ModelConfig, tokenizer, prompt: str | list[int]) -> list[int]:
@@ -79,4 +81,5 @@ def new_sequence(cfg: ModelConfig, config: EngineConfig, tokenizer, request: Req
         max_len=max_len,
         decoder=tok.stream_decoder() if tok is not None else None,
         matcher=matcher,
+        adapter=request.adapter,
     )

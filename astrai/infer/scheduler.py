@@ -35,6 +35,7 @@ from astrai.infer.pages import (
 from astrai.infer.radix import (
     PrefixCache,
     clear_prefix_cache,
+    drop_prefix_key,
     evict,
     init_prefix_cache,
     insert_prefix,
@@ -92,7 +93,10 @@ def _same_prefix_in_prefill(s: Scheduler, seq: Sequence, matched: int) -> bool:
         return False
     head = seq.tokens[:end]
     return any(
-        other.computed < other.prompt_len and other.tokens[:end] == head for other in s.running
+        other.computed < other.prompt_len
+        and other.prefix_key == seq.prefix_key
+        and other.tokens[:end] == head
+        for other in s.running
     )
 
 
@@ -104,7 +108,7 @@ def _admit(s: Scheduler) -> Scheduler:
         # never the whole sequence: the last token must be fed to get the next logits
         cached = []
         if s.cache is not None:
-            s.cache, cached = match_prefix(s.cache, seq.tokens[:-1])
+            s.cache, cached = match_prefix(s.cache, seq.tokens[:-1], seq.prefix_key)
         if _same_prefix_in_prefill(s, seq, len(cached)):
             continue
         needed = pages_for(len(seq.tokens), s.config.page_size) - len(cached)
@@ -277,7 +281,9 @@ def finish_sequence(s: Scheduler, seq: Sequence, cache: bool = True) -> Schedule
         s.waiting.remove(seq)
     # a chain with pages given back no longer starts at the root: nothing to offer
     if cache and seq.cacheable and s.cache is not None and seq.pages and not seq.released:
-        s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+        s.cache, s.pool = insert_prefix(
+            s.cache, s.pool, seq.tokens[: seq.computed], seq.pages, seq.prefix_key
+        )
     if _held(seq):
         s.pool = free_pages(s.pool, _held(seq))
     seq.pages, seq.released = [], 0
@@ -300,7 +306,9 @@ def fed(s: Scheduler, seq: Sequence, n: int) -> Scheduler:
     seq.computed += n
     prompt_done = seq.computed - n < seq.prompt_len <= seq.computed
     if prompt_done and seq.cacheable and s.cache is not None and not seq.released:
-        s.cache, s.pool = insert_prefix(s.cache, s.pool, seq.tokens[: seq.computed], seq.pages)
+        s.cache, s.pool = insert_prefix(
+            s.cache, s.pool, seq.tokens[: seq.computed], seq.pages, seq.prefix_key
+        )
     return release_behind(s, seq)
 
 
@@ -330,4 +338,11 @@ def drop_prefix_cache(s: Scheduler) -> Scheduler:
         s.cache, s.pool = clear_prefix_cache(s.cache, s.pool)
     for seq in [*s.running, *s.waiting]:
         seq.cacheable = False
+    return s
+
+
+def drop_cached_key(s: Scheduler, key: object) -> Scheduler:
+    """Drop the pages the prefix cache holds under `key` (an adapter unloaded)."""
+    if s.cache is not None:
+        s.cache, s.pool = drop_prefix_key(s.cache, s.pool, key)
     return s

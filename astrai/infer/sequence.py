@@ -27,6 +27,11 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     max_len: int = 0  # prompt + max_tokens; 0: no limit (the scheduler's own tests)
+    # the LoRA adapter it runs with (None: the base model) and the prefix cache's key for its
+    # K/V: the adapter's load, so that K/V of an adapter unloaded and loaded again, or of
+    # another adapter, never match (set when it joins an engine state)
+    adapter: str | None = None
+    prefix_key: object = None
     # its text
     decoder: object | None = None  # the tokenizer's stream decoder
     unsent_text: str = ""  # decoded text not yet emitted (it could start a stop string)

@@ -5,11 +5,12 @@ the state that comes back, and using the one it gave raises DonatedError."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from astrai.config import EngineConfig, ModelConfig
+from astrai.infer.adapters import Adapters, resolve_adapter
 from astrai.infer.donation import donates
 from astrai.infer.events import StreamEvent, Usage
 from astrai.infer.pages import init_pages
@@ -41,7 +42,7 @@ class EngineState:
     """Everything the engine knows between two steps. `engine_config` has every size resolved
     (num_pages, max_seq_len, dtype); `sched` holds the pool, the prefix cache and the
     sequences; `final_events` holds the final events of requests ended between steps, which
-    the next step hands back."""
+    the next step hands back; `adapters` the LoRA adapters loaded (adapters.py)."""
 
     model_config: ModelConfig
     tokenizer: object | None
@@ -49,6 +50,7 @@ class EngineState:
     sched: Scheduler
     final_events: list[StreamEvent]
     totals: Totals
+    adapters: Adapters = field(default_factory=Adapters)
     donated_to: str | None = None  # the function this object was handed to (see donation.py)
 
 
@@ -83,7 +85,9 @@ def request_seed(engine_seed: int, n: int) -> int:
 def enqueue(state: EngineState, seq: Sequence) -> EngineState:
     """A checked sequence (see requests.new_sequence) joins at the end of the queue. One
     without a generator (its request gave no seed) gets one from the engine's seed and the
-    count of requests so far, so one state and one set of weights give the same events."""
+    count of requests so far, so one state and one set of weights give the same events.
+    UnknownAdapter when its adapter is not loaded."""
+    seq = resolve_adapter(state, seq)
     if seq.generator is None:
         seed = request_seed(state.engine_config.seed, state.totals.requests_added)
         seq.generator = torch.Generator().manual_seed(seed)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from astrai.infer.adapters import batch_lora
 from astrai.infer.constraints import accept_token, allowed_tokens
 from astrai.infer.donation import donates
 from astrai.infer.events import Completion, Logprob, StreamEvent, collect
@@ -63,7 +64,8 @@ def _run_model(
     rows, logits = [], []
     if plan.decode:
         tokens, positions, table = _decode_inputs(plan.decode, device)
-        out, s.pool = decode_step(params, cfg, s.pool, tokens, positions, table)
+        lora = batch_lora(state.adapters, plan.decode)
+        out, s.pool = decode_step(params, cfg, s.pool, tokens, positions, table, lora)
         rows += plan.decode
         logits.append(out)
     if plan.prefill:
@@ -72,8 +74,9 @@ def _run_model(
         tokens = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=device)
         start = torch.tensor([seq.computed for seq, _ in plan.prefill], device=device)
         lengths = torch.tensor([n for _, n in plan.prefill], device=device)
-        table = _page_table([seq for seq, _ in plan.prefill])
-        out, s.pool = prefill(params, cfg, s.pool, tokens, table, start, lengths)
+        seqs = [seq for seq, _ in plan.prefill]
+        table, lora = _page_table(seqs), batch_lora(state.adapters, seqs)
+        out, s.pool = prefill(params, cfg, s.pool, tokens, table, start, lengths, lora)
         # a prompt whose last chunk this was gives its first generated token
         done = [i for i, (seq, n) in enumerate(plan.prefill) if seq.pending == n]
         rows += [plan.prefill[i][0] for i in done]
@@ -93,9 +96,11 @@ def _decode_run(
     s, device = state.sched, torch.device(state.engine_config.device)
     settings, generators = [seq.sampling for seq in seqs], [seq.generator for seq in seqs]
     tokens, positions, table = _decode_inputs(seqs, device)
-    sampled = []
+    lora, sampled = batch_lora(state.adapters, seqs), []
     for _ in range(steps):
-        logits, s.pool = decode_step(params, state.model_config, s.pool, tokens, positions, table)
+        logits, s.pool = decode_step(
+            params, state.model_config, s.pool, tokens, positions, table, lora
+        )
         tokens = sample_ids(logits, settings, generators, None)
         sampled.append(tokens)
         positions = positions + 1

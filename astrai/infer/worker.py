@@ -13,10 +13,21 @@ import msgspec
 import torch
 
 from astrai.config import EngineConfig, ModelConfig
+from astrai.infer.adapters import AdapterInfo, adapter_list
 from astrai.infer.delivery import Pending, Sink, deliver, hand_over
-from astrai.infer.events import StreamEvent
+from astrai.infer.events import StreamEvent, Usage
 from astrai.infer.hardware import name_native_thread
-from astrai.infer.inbox import Call, Cancel, Close, Message, Started, Submit, SwapParams, Waiting
+from astrai.infer.inbox import (
+    Call,
+    Cancel,
+    ChangeState,
+    Close,
+    Message,
+    Started,
+    Submit,
+    SwapParams,
+    Waiting,
+)
 from astrai.infer.pacing import stats_due, tokens_per_s
 from astrai.infer.prepare import kernels_used, prepare_params
 from astrai.infer.resolve import params_for
@@ -32,6 +43,7 @@ from astrai.infer.state import (
 )
 from astrai.infer.stats import EngineStats, engine_stats
 from astrai.infer.step import engine_step
+from astrai.model.lora_folder import UnknownAdapter
 
 THREAD_NAME = "astrai-engine"
 
@@ -46,6 +58,7 @@ class EngineLoop:
         self.config: EngineConfig | None = None
         self.kernels: dict[str, int] = {}  # which product each matrix runs, for the logs
         self.snapshot: EngineStats | None = None
+        self.adapters: dict[str, AdapterInfo] = {}  # the loaded adapters, by name
         self._pending: dict[str, Pending] = {}
         self._sinks: dict[str, Sink] = {}
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (time, tokens) per step
@@ -115,12 +128,27 @@ class EngineLoop:
                     message.error = exc
                 finally:
                     done.set()
+            case ChangeState(fn, done):
+                try:
+                    self._state, message.result = fn(self._state)
+                    self.adapters = {info.name: info for info in adapter_list(self._state)}
+                except Exception as exc:
+                    message.error = exc
+                finally:
+                    done.set()
 
     def _enqueue(self, seqs: list[Sequence], sink: Sink) -> None:
         for seq in seqs:
             self._sinks[seq.id] = sink
             self._pending[seq.id] = Pending(sink.loop)
-            self._state = enqueue(self._state, seq)
+            try:
+                self._state = enqueue(self._state, seq)
+            except UnknownAdapter as exc:  # unloaded after the caller checked: this one fails
+                usage = Usage(prompt_tokens=seq.prompt_len, cached_tokens=0, completion_tokens=0)
+                failed = StreamEvent(
+                    request_id=seq.id, finish_reason="error", usage=usage, error=describe(exc)
+                )
+                self._state.final_events.append(failed)
         self.waiting.taken(len(seqs), len(self._state.sched.waiting))
 
     def _step(self, had_messages: bool) -> None:
@@ -161,7 +189,7 @@ class EngineLoop:
             match message:
                 case Submit(seqs, sink):
                     self._enqueue(seqs, sink)
-                case SwapParams(_, done) | Call(_, done):
+                case SwapParams(_, done) | Call(_, done) | ChangeState(_, done):
                     message.error = RuntimeError("the engine is closed")
                     done.set()
         self._state = end_all(self._state, "abort")

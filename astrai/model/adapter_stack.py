@@ -32,7 +32,12 @@ import torch
 
 from astrai.config import LORA_TARGETS, ModelConfig
 from astrai.model.layers import FUSED
-from astrai.model.lora_folder import AdapterError, adaptable_shapes
+from astrai.model.lora_folder import (
+    AdapterError,
+    AdapterMismatch,
+    UnknownAdapter,
+    adaptable_shapes,
+)
 
 Stack = dict
 
@@ -111,13 +116,16 @@ def stack_adapter(stack: Stack, name: str, lora: dict) -> Stack:
     rank = stack_rank(stack)
     for key, pair in lora["weights"].items():
         if key not in stack["where"]:
-            raise AdapterError(f"adapter {name!r} adapts {key}, which the stack does not hold")
+            raise AdapterMismatch(f"adapter {name!r} adapts {key}, which the stack does not hold")
         if pair["A"].shape[0] > rank:
-            raise AdapterError(f"adapter {name!r} has rank {pair['A'].shape[0]} > {rank}")
+            raise AdapterMismatch(f"adapter {name!r} has rank {pair['A'].shape[0]} > {rank}")
         a, b = _slot_blocks(stack, key, 0)
         want = (b.shape[0], a.shape[1])
         if (pair["B"].shape[0], pair["A"].shape[1]) != want:
-            raise AdapterError(f"adapter {name!r}: {key} does not fit its weight {want}")
+            got = (pair["B"].shape[0], pair["A"].shape[1])
+            raise AdapterMismatch(
+                f"adapter {name!r}: {key} has (out, in) = {got}, its weight needs {want}"
+            )
     slot = free[0]
     _clear(stack, slot)
     for key, pair in lora["weights"].items():
@@ -155,7 +163,7 @@ def _clear(stack: Stack, slot: int) -> None:
 def unstack_adapter(stack: Stack, name: str) -> Stack:
     """The stack without adapter `name`; its slot is zeroed and free again. Donated."""
     if name not in stack["names"]:
-        raise AdapterError(f"adapter {name!r} is not loaded")
+        raise UnknownAdapter(f"adapter {name!r} is not loaded")
     names = dict(stack["names"])
     slot = names.pop(name)
     _clear(stack, slot)
@@ -168,6 +176,6 @@ def adapter_slots(stack: Stack, names: list[str | None]) -> torch.Tensor:
     [rows]; AdapterError names an adapter that is not loaded."""
     for name in names:
         if name is not None and name not in stack["names"]:
-            raise AdapterError(f"adapter {name!r} is not loaded")
+            raise UnknownAdapter(f"adapter {name!r} is not loaded")
     slots = [-1 if name is None else stack["names"][name] for name in names]
     return torch.tensor(slots, dtype=torch.long, device=stack["scale"].device)

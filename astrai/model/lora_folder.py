@@ -48,6 +48,15 @@ class AdapterError(ValueError):
     """An adapter folder that does not fit the base model, or that this forward cannot run."""
 
 
+class AdapterMismatch(AdapterError):
+    """An adapter whose modules, rank or matrix shapes do not fit the base model (or the
+    engine's adapter stack); the message names the module and the shapes."""
+
+
+class UnknownAdapter(AdapterError):
+    """A request or a call names an adapter that is not loaded."""
+
+
 def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """{weight key: (out, in)} of the matrices whose products take a LoRA update in `forward`
     (every projection of attention and the dense/shared MLPs; not the embedding, the head, the
@@ -159,13 +168,13 @@ def load_lora(
     for name, pair in sorted(modules.items()):
         key = f"{name}.weight"
         if key not in shapes:
-            raise AdapterError(f"{folder}: module {name} is not adapted by this model's forward")
+            raise AdapterMismatch(f"{folder}: module {name} is not adapted by this model's forward")
         out_features, in_features = shapes[key]
         want = {"A": (rank, in_features), "B": (out_features, rank)}
         for part, shape in want.items():
             if tuple(pair[part].shape) != shape:
                 got = tuple(pair[part].shape)
-                raise AdapterError(
+                raise AdapterMismatch(
                     f"{folder}: {name}.lora_{part} is {got}, the base model with r={rank} "
                     f"needs {shape}"
                 )
