@@ -9,6 +9,7 @@ from astrai.infer.adapters import (
     AdapterInUse,
     AdapterMismatch,
     UnknownAdapter,
+    adapter_bytes,
     adapter_list,
     load_adapter,
     unload_adapter,

@@ -52,6 +52,7 @@ __all__ = [
     "AdapterMismatch",
     "Adapters",
     "UnknownAdapter",
+    "adapter_bytes",
     "batch_lora",
     "check_adapter",
 ]
@@ -197,6 +198,15 @@ def unload_adapter(state, name: str):
 def adapter_list(state) -> list[AdapterInfo]:
     """The loaded adapters, in the order they were loaded."""
     return list(state.adapters.info.values())
+
+
+def adapter_bytes(state) -> int:
+    """Bytes the adapter stack holds (every slot, loaded or free; 0 while none is loaded)."""
+    stack = state.adapters.stack
+    if stack is None:
+        return 0
+    tensors = [*stack["A"].values(), *stack["B"].values(), stack["scale"]]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def resolve_adapter(state, seq: Sequence) -> Sequence:

@@ -242,6 +242,12 @@ class Engine:
         """The loaded adapters (name, rank, alpha, targets), in the order they were loaded."""
         return list(self._loop.adapters.values())
 
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes the adapters' stack holds: max_adapters slots of max_adapter_rank over the
+        adapted modules, allocated at the first load and freed when the last is unloaded."""
+        return self._loop.adapter_bytes
+
     def stats(self) -> EngineStats:
         """Running and waiting requests, pages, prefix-cache hit rate, tokens/s and totals, as
         of the last snapshot (taken between steps, see EngineConfig.stats_interval_ms)."""

@@ -13,7 +13,7 @@ import msgspec
 import torch
 
 from astrai.config import EngineConfig, ModelConfig
-from astrai.infer.adapters import AdapterInfo, adapter_list
+from astrai.infer.adapters import AdapterInfo, adapter_bytes, adapter_list
 from astrai.infer.delivery import Pending, Sink, deliver, hand_over
 from astrai.infer.events import StreamEvent, Usage
 from astrai.infer.hardware import name_native_thread
@@ -59,6 +59,7 @@ class EngineLoop:
         self.kernels: dict[str, int] = {}  # which product each matrix runs, for the logs
         self.snapshot: EngineStats | None = None
         self.adapters: dict[str, AdapterInfo] = {}  # the loaded adapters, by name
+        self.adapter_bytes = 0  # what their stack holds
         self._pending: dict[str, Pending] = {}
         self._sinks: dict[str, Sink] = {}
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (time, tokens) per step
@@ -132,6 +133,7 @@ class EngineLoop:
                 try:
                     self._state, message.result = fn(self._state)
                     self.adapters = {info.name: info for info in adapter_list(self._state)}
+                    self.adapter_bytes = adapter_bytes(self._state)
                 except Exception as exc:
                     message.error = exc
                 finally:

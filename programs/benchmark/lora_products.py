@@ -1,9 +1,10 @@
 """How to add the LoRA updates of a batch whose rows use different adapters, measured here.
 
     python programs/benchmark/lora_products.py [--rows 16] [--dtype bfloat16] [--rounds 4]
+        [--shape small|smol]
 
 Each way runs in a process of its own (one torch thread), over the same stack of 8 adapters of
-rank 16 on matrices of the small benchmark model's MLP shape (512 -> 1408), with the batch's
+rank 16 on matrices of a benchmark model's MLP shape (small: 512 -> 1408, smol: 576 -> 1536), with the batch's
 rows spread over the 8 adapters and the base model alone. The ways, each on top of the one base
 product every row shares:
 
@@ -31,7 +32,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-SLOTS, RANK, IN, OUT, MATRICES = 8, 16, 512, 1408, 16
+SLOTS, RANK, MATRICES = 8, 16, 16
+# hidden size, MLP width, K/V width of the benchmark models (programs/benchmark/models.py)
+SHAPES = {"small": (512, 1408, 128), "smol": (576, 1536, 192)}
+IN, OUT, KV = SHAPES["small"]
 WAYS = ("base", "stacked", "gathered", "segmented")
 FUSED_WAYS = ("fused_base", "parts", "shared_a", "blockdiag")
 
@@ -79,10 +83,10 @@ def _fused_pass(way: str, x, mats, binding) -> None:
     for m in mats:
         y = F.linear(x, m["W"])
         if way == "parts":
-            q, k, v = y.split_with_sizes([IN, IN // 4, IN // 4], dim=-1)
+            q, k, v = y.split_with_sizes([IN, KV, KV], dim=-1)
             _ = [p + _stacked(x, part, binding["mask"]) for p, part in zip((q, k, v), m["parts"])]
         elif way == "shared_a":  # the parts' A as one matrix: one product, then each B
-            q, k, v = y.split_with_sizes([IN, IN // 4, IN // 4], dim=-1)
+            q, k, v = y.split_with_sizes([IN, KV, KV], dim=-1)
             h = F.linear(x, m["parts_a"]) * binding["mask_parts"]
             hs = h.split(SLOTS * RANK, dim=-1)
             _ = [p + F.linear(hp, part["B"]) for p, hp, part in zip((q, k, v), hs, m["parts"])]
@@ -107,7 +111,7 @@ def _binding(rows: int, dtype: torch.dtype) -> dict:
 
 
 def _fused_matrices(dtype, g) -> list:
-    widths = (IN, IN // 4, IN // 4)  # q, k, v of the small model: 8 heads, 2 of K/V
+    widths = (IN, KV, KV)  # q, k, v
     mats = []
     for _ in range(MATRICES):
         parts = [_stack(dtype, w, g) for w in widths]
@@ -152,9 +156,12 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16, help="rows of the batch (tokens)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--shape", default="small", choices=tuple(SHAPES))
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    global IN, OUT, KV
+    IN, OUT, KV = SHAPES[args.shape]
     if args.side:
         print(json.dumps(side(args.side, args.rows, dtype)))
         return 0
@@ -164,13 +171,17 @@ def main() -> int:
     for r in range(args.rounds):
         for way in ways if r % 2 == 0 else ways[::-1]:
             command = [sys.executable, __file__, "--side", way, "--rows", str(args.rows)]
+            command += ["--shape", args.shape]
             out = subprocess.run(
                 [*command, "--dtype", args.dtype], capture_output=True, text=True, env=env
             )
             if out.returncode:
                 raise RuntimeError(f"{way}: {out.stderr}")
             best[way] = min(best[way], float(out.stdout))
-    print(f"{args.dtype}, {args.rows} rows, {SLOTS} adapters of rank {RANK}, {MATRICES} matrices")
+    print(
+        f"{args.shape} ({IN} -> {OUT}), {args.dtype}, {args.rows} rows, {SLOTS} adapters of "
+        f"rank {RANK}, {MATRICES} matrices"
+    )
     for way in ways:
         base = best["fused_base" if way in FUSED_WAYS else "base"]
         print(f"{way:<12} {best[way]:8.3f} ms a pass  {best[way] / base:5.2f}x the base product")

@@ -718,6 +718,15 @@ def window(b: Bench) -> None:
     window_memory(b)
 
 
+def adapters(b: Bench) -> None:
+    """16 streams over 8 LoRA adapters in one batch against base-only streams and against
+    each adapter merged and served alone, one after another; the adapters' memory
+    (adapters.py)."""
+    from .adapters import adapters as measure
+
+    measure(b)
+
+
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "limit": limit,
     "decode": decode,
@@ -728,4 +737,5 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "serve": serve,
     "isolated": isolated,
     "window": window,
+    "adapters": adapters,
 }
