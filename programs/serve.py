@@ -76,6 +76,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
+        elif typing.get_origin(kind) in (tuple, list):  # --adapter-targets q_proj v_proj
+            parser.add_argument(flag, nargs="+", metavar=field.name.upper(), help=help_text)
         else:  # int, str, or one of them or None: msgspec converts and checks the text
             parser.add_argument(flag, metavar=field.name.upper(), help=help_text)
 

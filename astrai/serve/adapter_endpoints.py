@@ -18,6 +18,7 @@ from astrai.infer import AdapterError, AdapterInUse, UnknownAdapter
 from astrai.serve.adapters import adapter_name_problem, loaded_adapters, not_found
 from astrai.serve.bodies import decode_body, json_response
 from astrai.serve.errors import APIError, bad_request
+from astrai.serve.models import model_entry
 from astrai.serve.schemas_openai import AdapterDeleted, AdapterLoad
 from astrai.serve.state import AppState, check_generates
 
@@ -36,8 +37,6 @@ def check_new_name(state: AppState, name: str) -> None:
 
 async def load_adapter(state: AppState, body: bytes) -> Response:
     """-> 200 with the adapter's entry of /v1/models once it serves."""
-    from astrai.serve.app import model_entry  # the model list's shape, kept in one place
-
     check_generates(state)
     req = decode_body(_load_decoder, body)
     check_new_name(state, req.name)

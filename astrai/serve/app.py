@@ -14,7 +14,6 @@ import hmac
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 
 import msgspec
 import numpy as np
@@ -25,8 +24,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from astrai.config import ServeConfig
-from astrai.serve import adapter_endpoints, anthropic, chat_completions, completions, embeddings
-from astrai.serve.adapters import loaded_adapters
+from astrai.serve import (
+    adapter_endpoints,
+    anthropic,
+    chat_completions,
+    completions,
+    embeddings,
+    models,
+)
 from astrai.serve.bodies import json_response
 from astrai.serve.errors import (
     APIError,
@@ -37,8 +42,7 @@ from astrai.serve.errors import (
 )
 from astrai.serve.metrics import Metrics, count_request, render
 from astrai.serve.page import page_routes
-from astrai.serve.schemas_openai import Model, ModelList
-from astrai.serve.state import AppState, check_model, now
+from astrai.serve.state import AppState, now
 
 log = logging.getLogger("astrai.serve")
 _encode = msgspec.json.Encoder().encode
@@ -156,26 +160,7 @@ def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False
 
 
 # ---------------------------------------------------------------- the small GET routes
-
-
-def model_entry(state: AppState, adapter: str | None = None) -> Model:
-    """The base model's entry, or an adapter's, whose `parent` is the base model."""
-    created_at = datetime.fromtimestamp(state.created, UTC).isoformat()
-    name = adapter or state.model_name
-    parent = state.model_name if adapter else None
-    return Model(name, state.created, created_at.replace("+00:00", "Z"), name, parent=parent)
-
-
-async def list_models(state: AppState, request: Request) -> Response:
-    """The base model first, then each adapter loaded over it."""
-    entries = [model_entry(state)]
-    entries += [model_entry(state, name) for name in loaded_adapters(state.engine)]
-    return json_response(ModelList(entries, entries[0].id, entries[-1].id))
-
-
-async def get_model(state: AppState, request: Request) -> Response:
-    adapter = check_model(state, request.path_params["model_id"])
-    return json_response(model_entry(state, adapter))
+# (/v1/models and /v1/models/{id} are in models.py)
 
 
 async def health(state: AppState, request: Request) -> Response:
@@ -225,8 +210,8 @@ def make_app(engine, model_name: str, serve_cfg: ServeConfig | None = None) -> S
         ("/v1/embeddings", "POST", embeddings.embeddings, False),
         ("/v1/messages", "POST", anthropic.messages, False),
         ("/v1/messages/count_tokens", "POST", anthropic.count_tokens, False),
-        ("/v1/models", "GET", list_models, False),
-        ("/v1/models/{model_id:path}", "GET", get_model, False),
+        ("/v1/models", "GET", models.list_models, False),
+        ("/v1/models/{model_id:path}", "GET", models.get_model, False),
         ("/v1/adapters", "POST", adapter_endpoints.load_adapter, False),
         ("/v1/adapters/{name}", "DELETE", adapter_endpoints.unload_adapter, False),
         ("/health", "GET", health, True),

@@ -81,6 +81,27 @@ def test_lora_flags_are_checked_and_named(program, tmp_path, capsys):
         assert f"--lora {name}={path}" in err and words in err
 
 
+def test_the_adapter_stack_has_room_for_every_lora_flag(program, tmp_path):
+    """The engine sizes its stack for the first adapter unless told; the program tells it the
+    highest rank and every module of the --lora adapters, and keeps what the flags set."""
+    folder = program.make_random_tiny(tmp_path / "tiny")
+    params, cfg = astrai.load_pretrained(folder)
+    for name, rank, targets in [("small", 2, ("q_proj",)), ("big", 4, ("q_proj", "down_proj"))]:
+        save_lora(tmp_path / name, astrai.init_lora(params, cfg, rank=rank, targets=targets), cfg)
+    flags = ["--model", str(folder), "--lora", f"small={tmp_path / 'small'}"]
+    flags += ["--lora", f"big={tmp_path / 'big'}"]
+    args = program.parse_args(flags)
+    engine = program.start_engine(args, folder, program.serve_config(args, environ={}), "tiny")
+    try:
+        assert [(a.name, a.rank) for a in engine.adapters()] == [("small", 2), ("big", 4)]
+    finally:
+        engine.close()
+    args = program.parse_args([*flags, "--max-adapter-rank", "2", "--adapter-targets", "q_proj"])
+    assert program.serve_config(args, environ={}).adapter_targets == ("q_proj",)
+    with pytest.raises(program.LoraFlagError, match="--lora big="):
+        program.start_engine(args, folder, program.serve_config(args, environ={}), "tiny")
+
+
 def greedy_ids(model, prompt: list[int], steps: int, banned: int) -> list[int]:
     """transformers' greedy tokens, each chosen by a clear margin (a near tie could go either
     way under another order of sums, and would make the comparison a coin toss)."""
