@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from astrai.infer import AdapterError, AdapterInUse, UnknownAdapter
-from astrai.serve.adapters import adapter_name_problem, loaded_adapters, not_found
+from astrai.serve.adapters import adapter_name_problem, loaded_adapters
 from astrai.serve.bodies import decode_body, json_response
 from astrai.serve.errors import APIError, bad_request
 from astrai.serve.models import model_entry
@@ -56,7 +56,10 @@ async def unload_adapter(state: AppState, request: Request) -> Response:
     try:
         await anyio.to_thread.run_sync(state.engine.unload_adapter, name)
     except UnknownAdapter:
-        raise not_found(name, state.model_name, loaded_adapters(state.engine)) from None
+        loaded = ", ".join(f"`{n}`" for n in loaded_adapters(state.engine)) or "none"
+        raise APIError(
+            404, f"No adapter `{name}` is loaded (loaded: {loaded}).", "name", "model_not_found"
+        ) from None
     except AdapterInUse as exc:
         raise APIError(
             409, f"The adapter `{name}` is in use: {exc}", code="adapter_in_use"

@@ -224,6 +224,7 @@ def test_adapters_load_and_unload_while_serving(server, adapters, tiny):
         greedy_chat(url, "gamma", HELLO_Q)
     again = httpx.delete(f"{url}/v1/adapters/gamma", headers=AUTH)
     assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+    assert "No adapter `gamma`" in again.json()["error"]["message"]
     wait_for(engine, "running", 0)
 
 
