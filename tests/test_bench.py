@@ -63,7 +63,7 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     sections = {row["section"] for row in results["rows"]}
     assert sections == {
         "limit", "decode", "throughput", "prefill", "train", "structured", "serve", "isolated",
-        "window",
+        "window", "adapters",
     }  # fmt: skip
     for row in results["rows"]:
         assert row["ours"] > 0, row
@@ -73,7 +73,7 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
     # every ratio of two engines shows its agreement, and in float32 compares like things
     engines = [r for r in results["rows"] if "ratio" in r and r["section"] != "train"]
-    assert {r["section"] for r in engines} == sections - {"limit", "train", "window"}
+    assert {r["section"] for r in engines} == sections - {"limit", "train", "window", "adapters"}
     assert all(r["verdict"] == "comparable" for r in engines), engines
     assert all(r["agreement"] is not None for r in engines if r["section"] != "structured")
 
@@ -521,3 +521,27 @@ def test_window_rows_say_whether_pages_behind_the_window_are_released(tmp_path, 
     assert held["met"] == (held["ours"] <= 17)
     # the note is there exactly while the engine keeps pages no layer reads again
     assert ("pages behind the window are not released yet" in out) == (held["ours"] > 17)
+
+
+def test_adapters_rows_compare_mixed_streams_with_base_and_merged_sides(tmp_path):
+    from benchmark.adapters import ADAPTERS, RANK, TARGETS
+
+    argv = ["--quick", "--rounds", "1", "--threads", "1", "--no-reference", "--only", "adapters"]
+    assert load_program().main([*argv, "--out", str(tmp_path)]) == 0
+    results = read_run(tmp_path)
+    assert results["sections"]["adapters"]["status"] == "ok"
+    rows = {r["name"].split(":")[0]: r for r in results["rows"] if r["section"] == "adapters"}
+    speeds = [rows[side]["ours"] for side in ("adapters", "base", "merged")]
+    assert all(s > 0 for s in speeds)
+    ratios = [r for r in rows.values() if r["unit"] == "x" and r["target"] in (0.85, 4.0)]
+    assert sorted(r["ours"] for r in ratios) == pytest.approx(
+        sorted([speeds[0] / speeds[1], speeds[0] / speeds[2]])  # one round: its own ratio
+    )
+    # the stack's bytes: every slot's A [rank, in] and B [out, rank] of each adapted weight
+    params, _ = astrai.load_pretrained(tmp_path / "models" / "tiny")
+    base = sum(v.numel() * v.element_size() for v in params.values())
+    adapted = [v for k, v in params.items() if k.rsplit(".", 2)[-2] in TARGETS]
+    stack = ADAPTERS * RANK * sum(sum(w.shape) for w in adapted) * 4 + ADAPTERS * 4
+    assert rows["memory"]["ours"] == pytest.approx((base + stack) / base)
+    # the adapters' streams are their merged models' (but for rounding at a near tie)
+    assert rows["streams equal to their merged model's"]["ours"] > 0.5

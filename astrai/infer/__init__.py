@@ -108,6 +108,7 @@ __all__ = [
     "Usage",
     "Verdict",
     "accept_token",
+    "adapter_bytes",
     "adapter_list",
     "add_request",
     "alloc_pages",

@@ -4,7 +4,9 @@ The engine state holds one adapter stack (astrai.model.adapter_stack): every loa
 A and B side by side, one slot each, made at the first load with `max_adapters` slots of rank
 `max_adapter_rank` over the modules `adapter_targets` (EngineConfig; the rank and modules of
 the first adapter when not set). A step binds the stack to each batch's rows (`batch_lora`):
-a batch of base-model rows alone runs no adapter work at all.
+a decode batch multiplies every row by all the adapters and masks what a row does not use (two
+products a weight: fastest at a few rows an adapter), a batch of prompt chunks groups its rows
+by adapter (many token rows an adapter); a batch of base-model rows alone runs no adapter work.
 
 Errors, all raised to the caller: `UnknownAdapter` (a request or an unload names an adapter
 that is not loaded), `AdapterMismatch` (an adapter's modules, rank or shapes do not fit the
@@ -43,7 +45,7 @@ from astrai.model.lora_folder import (
     UnknownAdapter,
     adaptable_shapes,
 )
-from astrai.model.lora_product import mixed_lora
+from astrai.model.lora_product import grouped_lora, mixed_lora
 
 __all__ = [
     "AdapterError",
@@ -223,10 +225,22 @@ def resolve_adapter(state, seq: Sequence) -> Sequence:
     return seq
 
 
-def batch_lora(adapters: Adapters, seqs: list[Sequence]) -> dict | None:
-    """The `lora` argument of a batch of seqs (row i runs seqs[i].adapter), or None when
-    every row runs the base model alone."""
+# Token rows per adapter in a batch from which grouping the rows by adapter beats multiplying
+# every row by all adapters and masking (programs/benchmark/lora_products.py, 8 adapters of
+# rank 16: at 2 rows an adapter, a decode step, the masked way wins; at ~28, prompt chunks,
+# grouping does; docs/inference.md has the figures).
+GROUPED_FROM = 16
+
+
+def batch_lora(adapters: Adapters, seqs: list[Sequence], tokens: int = 1) -> dict | None:
+    """The `lora` argument of a batch of seqs, `tokens` a row (row i runs seqs[i].adapter):
+    None when every row runs the base model alone; rows grouped by adapter when the batch
+    holds GROUPED_FROM token rows an adapter or more, else all adapters masked per row."""
     names = [seq.adapter for seq in seqs]
-    if adapters.stack is None or all(n is None for n in names):
+    used = {n for n in names if n is not None}
+    if adapters.stack is None or not used:
         return None
-    return mixed_lora(adapters.stack, adapter_slots(adapters.stack, names))
+    slots = adapter_slots(adapters.stack, names)
+    if tokens * len(seqs) >= GROUPED_FROM * len(used):
+        return grouped_lora(adapters.stack, slots)
+    return mixed_lora(adapters.stack, slots)

@@ -75,7 +75,7 @@ def _run_model(
         start = torch.tensor([seq.computed for seq, _ in plan.prefill], device=device)
         lengths = torch.tensor([n for _, n in plan.prefill], device=device)
         seqs = [seq for seq, _ in plan.prefill]
-        table, lora = _page_table(seqs), batch_lora(state.adapters, seqs)
+        table, lora = _page_table(seqs), batch_lora(state.adapters, seqs, width)
         out, s.pool = prefill(params, cfg, s.pool, tokens, table, start, lengths, lora)
         # a prompt whose last chunk this was gives its first generated token
         done = [i for i, (seq, n) in enumerate(plan.prefill) if seq.pending == n]

@@ -29,6 +29,7 @@ from astrai.infer import (
     run_requests,
     unload_adapter,
 )
+from astrai.infer import adapters as adapters_module
 from astrai.infer.radix import num_cached_pages
 from astrai.infer.step import engine_step
 from astrai.infer.support import products_here
@@ -58,9 +59,10 @@ def eight_adapters(params, cfg) -> dict:
     }
 
 
-def prompts_for(cfg, n: int, seed: int = 0) -> list[list[int]]:
+def prompts_for(cfg, n: int, seed: int = 0, longest: int = 11) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 12, (n,), generator=g).tolist()
+    # the longest first: a step's prompt chunks are as long as its first (scheduler.plan_step)
+    lengths = [longest, *torch.randint(3, longest, (n - 1,), generator=g).tolist()]
     return [torch.randint(0, cfg.vocab_size, (k,), generator=g).tolist() for k in lengths]
 
 
@@ -81,11 +83,20 @@ def alone(params, cfg, prompt, sampling=GREEDY, **settings):
     return done
 
 
-def test_a_batch_of_eight_adapters_and_base_rows_gives_each_merged_model():
+@pytest.mark.parametrize("longest", [11, 30])
+def test_a_batch_of_eight_adapters_and_base_rows_gives_each_merged_model(longest, monkeypatch):
+    """Short prompts prefill with every adapter masked per row; long ones group the rows by
+    adapter (batch_lora); decoding masks."""
+    ways = []
+    for way in ("grouped_lora", "mixed_lora"):
+        bind = getattr(adapters_module, way)
+        monkeypatch.setattr(
+            adapters_module, way, lambda *a, bind=bind, way=way: ways.append(way) or bind(*a)
+        )
     params, cfg = make_model("gqa")
     adapters = eight_adapters(params, cfg)
     names = [*adapters, None, None]
-    prompts = prompts_for(cfg, len(names))
+    prompts = prompts_for(cfg, len(names), longest=longest)
     state = init_engine(params, cfg, None, max_adapters=8, **SETTINGS)
     for name, (lora, lora_cfg) in adapters.items():
         state = load_adapter(state, name, lora, lora_cfg)
@@ -93,16 +104,21 @@ def test_a_batch_of_eight_adapters_and_base_rows_gives_each_merged_model():
         Request(f"r{i}", p, GREEDY, adapter=name) for i, (p, name) in enumerate(zip(prompts, names))
     ]
     state, done = run_requests(state, params, requests)
-    roundings = forward_roundings(cfg, 20) + RANK  # merging sums W + s * B @ A first
+    roundings = forward_roundings(cfg, longest + 6) + RANK  # merging sums W + s * B @ A first
     for request, got in zip(requests, done):
         name = request.adapter
         merged = params if name is None else ai.merge_lora(params, adapters[name][0])
         want = alone(merged, cfg, request.prompt)
         assert got.token_ids == want.token_ids, name
         assert_close(logprob_rows(got), logprob_rows(want), roundings)
-    # every adapter changed its row: each would fail with another's update
-    base_tokens = {tuple(alone(params, cfg, r.prompt).token_ids) for r in requests[:8]}
-    assert all(tuple(d.token_ids) not in base_tokens for d in done[:8])
+    # every adapter moves its row's first log-probabilities far beyond the tolerance, so a
+    # row given another's update (or none) would fail
+    for request, got in zip(requests[:8], done):
+        base = logprob_rows(alone(params, cfg, request.prompt))[0]
+        moved = (logprob_rows(got)[0] - base).abs().max().item()
+        assert moved > 10 * roundings * torch.finfo(torch.float32).eps * base.abs().max().item()
+    assert ways[0] == ("grouped_lora" if longest > 16 else "mixed_lora")
+    assert set(ways[1:]) == {"mixed_lora"}  # the decode steps
 
 
 ENGINE_KINDS = [

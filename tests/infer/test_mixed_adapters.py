@@ -24,7 +24,7 @@ from astrai.model.adapter_stack import (
 )
 from astrai.model.layers import lora_delta
 from astrai.model.lora_folder import AdapterError
-from astrai.model.lora_product import mixed_lora
+from astrai.model.lora_product import grouped_lora, mixed_lora
 
 RANK = 4
 EPS = torch.finfo(torch.float32).eps
@@ -246,3 +246,22 @@ def test_slots_hold_what_was_loaded_whatever_the_order(fused, operations):
                 alone = lora_delta(x[i : i + 1], pool[name], f"{prefix}.{part}_proj.weight")[0]
                 scale = alone.abs().max().item()
                 torch.testing.assert_close(row, alone, **tolerance(2 * RANK, scale=scale))
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "moe"])
+def test_rows_grouped_by_adapter_give_what_the_masked_product_gives(kind):
+    """grouped_lora: each group's rows through its own adapter alone, the same updates as
+    masking every adapter per row (another summation order: the masked way adds zeros)."""
+    params, cfg = make_model(kind)
+    adapters = three_adapters(params, cfg)
+    stack = stacked(cfg, adapters)
+    slots = adapter_slots(stack, ROWS)
+    tokens = tokens_for(cfg, 7)
+    with torch.no_grad():
+        masked = ai.forward(params, cfg, tokens, lora=mixed_lora(stack, slots))
+        grouped = ai.forward(params, cfg, tokens, lora=grouped_lora(stack, slots))
+        fused = ai.forward(prepare_params(params), cfg, tokens, lora=grouped_lora(stack, slots))
+    assert_close(grouped, masked, forward_roundings(cfg, 7) + RANK)
+    assert_close(fused, masked, forward_roundings(cfg, 7) + RANK)
+    with pytest.raises(ValueError, match="fused=False"):
+        grouped_lora(stacked(cfg, adapters, fused=True), slots)
