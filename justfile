@@ -15,7 +15,7 @@ prepare *ARGS:
 train *ARGS:
     python programs/train.py {{ARGS}}
 
-# Serve a model over the OpenAI and Anthropic APIs: just serve [--model DIR]
+# Serve a model over the OpenAI and Anthropic APIs: just serve [--model DIR] [--lora NAME=PATH ...]
 serve *ARGS:
     python programs/serve.py {{ARGS}}
 

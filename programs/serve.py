@@ -1,13 +1,15 @@
 """Serve a model over the OpenAI and Anthropic HTTP APIs.
 
     just serve --model DIR [--port 8000] [--api-key KEY] [--config serve.toml]
+    just serve --model BASE --lora NAME=PATH [--lora NAME2=PATH2 ...]   # LoRA adapters over BASE
     just serve                  # the demo model, runs/demo/model (made by `just demo`)
     just serve --random-tiny    # an untrained tiny model, for a quick look at the API
 
 Settings come from ServeConfig (the EngineConfig fields and the server's own): its defaults,
 then the [serve] table of --config, then flags, one per field (`--max-batch 8` sets max_batch).
-The API key may also come from the ASTRAI_API_KEY environment variable. docs/serving.md lists
-every endpoint; docs/configuration.md every setting.
+The API key may also come from the ASTRAI_API_KEY environment variable. Each --lora loads an
+adapter folder (PEFT's, or a `just train` run's) that requests select with `model` NAME.
+docs/serving.md lists every endpoint; docs/configuration.md every setting.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve a random-weight tiny model with a trained tokenizer (made in a temp folder)",
     )
     parser.add_argument("--config", help="TOML file whose [serve] table sets ServeConfig")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter folder PATH (PEFT's, or a `just train` run's) as model NAME "
+        "over the base model; repeat for more adapters",
+    )
     add_config_flags(parser)
     return parser.parse_args(argv)
 
@@ -66,6 +76,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
+        elif typing.get_origin(kind) in (tuple, list):  # --adapter-targets q_proj v_proj
+            parser.add_argument(flag, nargs="+", metavar=field.name.upper(), help=help_text)
         else:  # int, str, or one of them or None: msgspec converts and checks the text
             parser.add_argument(flag, metavar=field.name.upper(), help=help_text)
 
@@ -81,6 +93,86 @@ def serve_config(args: argparse.Namespace, environ=os.environ):
     if merged.get("api_key") is None and environ.get("ASTRAI_API_KEY"):
         merged["api_key"] = environ["ASTRAI_API_KEY"]
     return from_dict(ServeConfig, merged, "command-line flags")
+
+
+class LoraFlagError(ValueError):
+    """A --lora flag that cannot be served; the message quotes it."""
+
+
+def adapter_flags(values: list[str], base_name: str) -> dict[str, str]:
+    """--lora NAME=PATH values -> {name: path}; LoraFlagError quoting the flag at fault."""
+    from astrai.serve.adapters import adapter_name_problem
+
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            raise LoraFlagError(f"--lora {value}: expected NAME=PATH, e.g. --lora sql=runs/sql")
+        problem = adapter_name_problem(name, base_name)
+        if problem is not None:
+            raise LoraFlagError(f"--lora {value}: {problem}")
+        if name in adapters:
+            raise LoraFlagError(f"--lora {value}: the name `{name}` is given twice")
+        adapters[name] = path
+    return adapters
+
+
+def read_adapters(folder: Path, adapters: dict[str, str]) -> dict[str, tuple]:
+    """{name: path} -> {name: (path, lora params, LoraConfig)}, each adapter read and checked
+    against the base model in `folder`; LoraFlagError quoting the flag whose folder is missing
+    or does not fit (the message names the module and the shapes)."""
+    from astrai.model import load_lora, model_config_from_json
+
+    if not adapters:
+        return {}
+    cfg = model_config_from_json(folder / "config.json")
+    if cfg.model_type == "encoder":
+        raise LoraFlagError("--lora: an encoder model takes no adapters")
+    read = {}
+    for name, path in adapters.items():
+        try:
+            read[name] = (path, *load_lora(path, cfg))
+        except (OSError, ValueError) as exc:  # AdapterError is a ValueError
+            raise LoraFlagError(f"--lora {name}={path}: {exc}") from None
+    return read
+
+
+def with_adapter_room(serve_cfg, adapters: dict[str, tuple]):
+    """The engine's adapter stack sized for every --lora adapter: its highest rank and all
+    their modules, where the settings leave them unset (the engine would size the stack for the
+    first adapter alone, and refuse a second of higher rank or other modules)."""
+    if not adapters:
+        return serve_cfg
+    lora_cfgs = [lora_cfg for _, _, lora_cfg in adapters.values()]
+    rank = serve_cfg.max_adapter_rank or max(c.rank for c in lora_cfgs)
+    targets = serve_cfg.adapter_targets or tuple(
+        dict.fromkeys(t for c in lora_cfgs for t in c.targets)
+    )
+    return msgspec.structs.replace(serve_cfg, max_adapter_rank=rank, adapter_targets=targets)
+
+
+def load_adapters(engine, adapters: dict[str, tuple]) -> None:
+    """Each adapter read by read_adapters into the engine; LoraFlagError quoting the flag the
+    engine refuses (no free slot, a rank or module the stack has no room for)."""
+    for name, (path, lora, lora_cfg) in adapters.items():
+        try:
+            engine.load_adapter(name, (lora, lora_cfg))
+        except ValueError as exc:  # AdapterError is a ValueError
+            raise LoraFlagError(f"--lora {name}={path}: {exc}") from None
+
+
+def start_engine(args: argparse.Namespace, folder: Path, serve_cfg, name: str):
+    """The engine `just serve` runs: the model in `folder` served as `name`, with the --lora
+    adapters loaded. LoraFlagError for a flag at fault; OSError or ValueError for a model folder
+    that cannot be loaded."""
+    adapters = read_adapters(folder, adapter_flags(args.lora, name))
+    engine = load_engine(folder, with_adapter_room(serve_cfg, adapters))
+    try:
+        load_adapters(engine, adapters)
+    except LoraFlagError:
+        engine.close()
+        raise
+    return engine
 
 
 def make_random_tiny(path: Path) -> Path:
@@ -188,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
+    name = serve_cfg.model_name or default_name(folder, args)
     try:
-        engine = load_engine(folder, serve_cfg)
+        engine = start_engine(args, folder, serve_cfg, name)
+    except LoraFlagError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:  # a missing folder, a bad config.json or checkpoint
         print(f"error: cannot load {folder}: {exc}", file=sys.stderr)
         return 2
@@ -198,12 +294,13 @@ def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
 
     from astrai.serve import make_app
 
-    name = serve_cfg.model_name or default_name(folder, args)
     app = make_app(engine, name, serve_cfg)
     if not is_loopback(serve_cfg.host) and serve_cfg.api_key is None:
         print(f"warning: listening on {serve_cfg.host} without an API key", file=sys.stderr)
     url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     print(f"Serving `{name}` from {folder} at {url}/v1 (OpenAI) and {url} (Anthropic)")
+    for adapter, path in adapter_flags(args.lora, name).items():
+        print(f"  with LoRA adapter `{adapter}` from {path} (model `{adapter}`)")
     print(describe_weights(engine, serve_cfg))
     print(f"Chat with it in your browser: {url}/")
     try:

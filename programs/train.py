@@ -15,6 +15,7 @@ from pathlib import Path
 
 from astrai.config import ConfigError, load_train_config
 from astrai.model import CheckpointError
+from astrai.model.lora_folder import CONFIG_FILE, RUN_SUBFOLDER
 from astrai.train import TrainingDiverged, train
 from astrai.train.distributed import shutdown
 
@@ -47,6 +48,13 @@ def main() -> int:
     finally:
         shutdown()
     print(f"done: step {state.step}, model in {Path(cfg.out_dir) / 'model'}", file=sys.stderr)
+    adapter = Path(cfg.out_dir) / RUN_SUBFOLDER
+    if state.lora is not None and cfg.init_from and (adapter / CONFIG_FILE).is_file():
+        print(
+            f"LoRA adapter in {adapter}; serve it over its base model with\n"
+            f"  just serve --model {cfg.init_from} --lora NAME={adapter}",
+            file=sys.stderr,
+        )
     return 0
 
 

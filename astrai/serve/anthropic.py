@@ -176,7 +176,7 @@ async def messages(state: AppState, body: bytes) -> Response:
     request_id = new_id("msg_")
     choices = await open_choices(state.engine, request_id, generation.requests, state.metrics)
     prompt = generation.requests[0].prompt
-    head = MessageResponse(request_id, state.model_name, [], None, None, Usage(len(prompt), 1))
+    head = MessageResponse(request_id, req.model, [], None, None, Usage(len(prompt), 1))
     spec = MessageSpec(head, generation.parse_tools, len(prompt), req.stop_sequences or [])
     if req.stream:
         return sse.EventStream(choices, MessageWriter(spec))

@@ -1,8 +1,10 @@
 """The Starlette app: routes, API keys, body limits, and errors in each API's own format.
 
 Every route goes through `_endpoint`: it checks the API key (except /health), reads a POST body
-up to the size limit, and turns any error into the JSON the client's SDK understands. Nothing a
-client sends can reach the file system: model and tokenizer are loaded before the app exists.
+up to the size limit, and turns any error into the JSON the client's SDK understands. Model and
+tokenizer are loaded before the app exists; the one route whose body names a file is POST
+/v1/adapters, which reads the LoRA adapter folder an authorised client names (it opens only
+adapter_config.json and adapter_model.safetensors there).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import hmac
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 
 import msgspec
 import numpy as np
@@ -23,7 +24,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from astrai.config import ServeConfig
-from astrai.serve import anthropic, chat_completions, completions, embeddings
+from astrai.serve import (
+    adapter_endpoints,
+    anthropic,
+    chat_completions,
+    completions,
+    embeddings,
+    models,
+)
 from astrai.serve.bodies import json_response
 from astrai.serve.errors import (
     APIError,
@@ -34,8 +42,7 @@ from astrai.serve.errors import (
 )
 from astrai.serve.metrics import Metrics, count_request, render
 from astrai.serve.page import page_routes
-from astrai.serve.schemas_openai import Model, ModelList
-from astrai.serve.state import AppState, check_model, now
+from astrai.serve.state import AppState, now
 
 log = logging.getLogger("astrai.serve")
 _encode = msgspec.json.Encoder().encode
@@ -129,7 +136,7 @@ async def unless_abandoned(request: Request, answer: Awaitable[Response]) -> Res
 
 
 def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False):
-    """POST handlers receive the body bytes, GET handlers the request."""
+    """POST handlers receive the body bytes, GET and DELETE handlers the request."""
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -153,23 +160,7 @@ def _endpoint(state: AppState, path: str, handler: Handler, public: bool = False
 
 
 # ---------------------------------------------------------------- the small GET routes
-
-
-def model_entry(state: AppState) -> Model:
-    created_at = datetime.fromtimestamp(state.created, UTC).isoformat()
-    return Model(
-        state.model_name, state.created, created_at.replace("+00:00", "Z"), state.model_name
-    )
-
-
-async def list_models(state: AppState, request: Request) -> Response:
-    name = state.model_name
-    return json_response(ModelList([model_entry(state)], name, name))
-
-
-async def get_model(state: AppState, request: Request) -> Response:
-    check_model(state, request.path_params["model_id"])
-    return json_response(model_entry(state))
+# (/v1/models and /v1/models/{id} are in models.py)
 
 
 async def health(state: AppState, request: Request) -> Response:
@@ -219,8 +210,10 @@ def make_app(engine, model_name: str, serve_cfg: ServeConfig | None = None) -> S
         ("/v1/embeddings", "POST", embeddings.embeddings, False),
         ("/v1/messages", "POST", anthropic.messages, False),
         ("/v1/messages/count_tokens", "POST", anthropic.count_tokens, False),
-        ("/v1/models", "GET", list_models, False),
-        ("/v1/models/{model_id:path}", "GET", get_model, False),
+        ("/v1/models", "GET", models.list_models, False),
+        ("/v1/models/{model_id:path}", "GET", models.get_model, False),
+        ("/v1/adapters", "POST", adapter_endpoints.load_adapter, False),
+        ("/v1/adapters/{name}", "DELETE", adapter_endpoints.unload_adapter, False),
         ("/health", "GET", health, True),
         ("/stats", "GET", stats, False),
         ("/metrics", "GET", metrics, False),

@@ -136,7 +136,7 @@ async def chat_completions(state: AppState, body: bytes) -> Response:
     spec = ChatSpec(
         request_id,
         now(),
-        state.model_name,
+        req.model,
         req.n,
         generation.parse_tools,
         top,

@@ -20,7 +20,7 @@ from astrai.serve.schemas_openai import (
     TextChoice,
     TextCompletion,
 )
-from astrai.serve.state import AppState, new_id, now
+from astrai.serve.state import AppState, check_model, new_id, now
 from astrai.serve.streams import collect, open_choices
 from astrai.serve.usage import openai_usage
 
@@ -89,11 +89,11 @@ class CompletionWriter:
 async def completions(state: AppState, body: bytes) -> Response:
     req = decode_body(_decoder, body)
     prompts = completion_prompts(state, req)
-    check_scoring(req, prompts, state.context)
+    check_scoring(req, prompts, state.context, check_model(state, req.model))
     choice_prompts = [ids for ids in prompts for _ in range(req.n)]
     requests = [] if req.max_tokens == 0 else completion_generation(state, req, prompts).requests
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in choice_prompts]
-    head = TextCompletion(new_id("cmpl-"), now(), state.model_name, [])
+    head = TextCompletion(new_id("cmpl-"), now(), req.model, [])
     if req.stream:
         choices = await open_choices(state.engine, head.id, requests, state.metrics)
         return sse.EventStream(choices, CompletionWriter(head, texts, req, state.tokenizer))

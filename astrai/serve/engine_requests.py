@@ -39,6 +39,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 class EngineRequest(msgspec.Struct, frozen=True):
     prompt: list[int]
     sampling: SamplingParams
+    adapter: str | None = None  # the LoRA adapter to answer with; None: the base model
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -64,10 +65,12 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
 
 
-def check_generation(state: AppState, model: str) -> None:
-    """What every generation route checks first: the model is this one and it generates."""
-    check_model(state, model)
+def check_generation(state: AppState, model: str) -> str | None:
+    """What every generation route checks first: the model is served and it generates.
+    -> the adapter `model` names (None: the base model)."""
+    adapter = check_model(state, model)
     check_generates(state)
+    return adapter
 
 
 # ---------------------------------------------------------------- OpenAI
@@ -100,8 +103,11 @@ def openai_sampling(
     )
 
 
-def check_openai_limits(state: AppState, req: SamplingFields, top_logprobs: int | None) -> None:
-    check_generation(state, req.model)
+def check_openai_limits(
+    state: AppState, req: SamplingFields, top_logprobs: int | None
+) -> str | None:
+    """-> the adapter the request's model names (None: the base model)."""
+    adapter = check_generation(state, req.model)
     cfg = state.serve_cfg
     if req.n > cfg.max_n:
         raise bad_request(f"n is {req.n}; this server allows at most {cfg.max_n}.", "n")
@@ -112,6 +118,7 @@ def check_openai_limits(state: AppState, req: SamplingFields, top_logprobs: int 
         )
     if req.logit_bias:
         check_token_ids(req.logit_bias, state.vocab_size, "logit_bias")
+    return adapter
 
 
 def template_message(message: ChatMessage) -> dict:
@@ -149,7 +156,7 @@ def chat_tools(state: AppState, req: ChatRequest) -> tuple[list[dict] | None, Co
 
 
 def chat_generation(state: AppState, req: ChatRequest, top_logprobs: int | None) -> Generation:
-    check_openai_limits(state, req, top_logprobs)
+    adapter = check_openai_limits(state, req, top_logprobs)
     specs, constraint = chat_tools(state, req)
     messages = [template_message(m) for m in req.messages]
     prompt = chat_prompt(state.tokenizer, messages, specs)
@@ -159,7 +166,7 @@ def chat_generation(state: AppState, req: ChatRequest, top_logprobs: int | None)
         len(prompt), requested, state.context, state.serve_cfg.default_max_tokens, param, "messages"
     )
     params = openai_sampling(req, budget, top_logprobs, constraint)
-    requests = [EngineRequest(prompt, p) for p in per_choice(params, req.n)]
+    requests = [EngineRequest(prompt, p, adapter) for p in per_choice(params, req.n)]
     return Generation(requests, specs is not None)
 
 
@@ -180,6 +187,7 @@ def completion_generation(
     state: AppState, req: CompletionRequest, prompts: list[list[int]]
 ) -> Generation:
     """n engine requests per prompt, choice `prompt * n + k` of the response."""
+    adapter = check_model(state, req.model)
     constraint = structured.request_constraint(req, state.tokenizer, state.vocab_size)
     requests = []
     for ids in prompts:
@@ -188,7 +196,7 @@ def completion_generation(
             "max_tokens", "prompt",
         )  # fmt: skip
         params = openai_sampling(req, budget, req.logprobs, constraint)
-        requests += [EngineRequest(ids, p) for p in per_choice(params, req.n)]
+        requests += [EngineRequest(ids, p, adapter) for p in per_choice(params, req.n)]
     return Generation(requests)
 
 
@@ -219,7 +227,7 @@ def tool_grammar(state: AppState, req: MessagesRequest) -> Constraint | None:
 
 
 def message_generation(state: AppState, req: MessagesRequest) -> Generation:
-    check_generation(state, req.model)
+    adapter = check_generation(state, req.model)
     prompt, with_tools = message_prompt(state, req)
     constraint = tool_grammar(state, req)
     budget = token_budget(len(prompt), req.max_tokens, state.context, 0, "max_tokens", "messages")
@@ -231,4 +239,4 @@ def message_generation(state: AppState, req: MessagesRequest) -> Generation:
         stop=[s for s in req.stop_sequences or () if s] or None,
         constraint=constraint,
     )
-    return Generation([EngineRequest(prompt, params)], with_tools)
+    return Generation([EngineRequest(prompt, params, adapter)], with_tools)

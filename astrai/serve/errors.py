@@ -57,6 +57,7 @@ _OPENAI_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
@@ -66,6 +67,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",  # Anthropic's API has no conflicts; its SDK reads this one
     413: "request_too_large",
     429: "rate_limit_error",
     529: "overloaded_error",

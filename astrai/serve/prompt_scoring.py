@@ -14,9 +14,11 @@ from astrai.serve.schemas_openai import CompletionRequest
 from astrai.serve.state import AppState, prompt_too_long
 
 
-def check_scoring(req: CompletionRequest, prompts: list[list[int]], context: int) -> None:
+def check_scoring(
+    req: CompletionRequest, prompts: list[list[int]], context: int, adapter: str | None
+) -> None:
     """What scoring a prompt needs: max_tokens 0 only with echo, echoed log-probs not streamed,
-    the prompt within the context."""
+    the prompt within the context, the base model (the scores come from its weights alone)."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens is 0, which generates nothing; it needs echo.", "max_tokens")
     scoring = req.max_tokens == 0 or (req.echo and req.logprobs is not None)
@@ -24,6 +26,12 @@ def check_scoring(req: CompletionRequest, prompts: list[list[int]], context: int
         raise bad_request(
             "echo with logprobs (or max_tokens 0) is answered whole: set stream to false.",
             "stream",
+        )
+    if scoring and adapter is not None:
+        raise bad_request(
+            f"echo with logprobs (or max_tokens 0) scores the prompt with the base model only, "
+            f"not with adapter `{adapter}`: ask the base model, or leave out echo.",
+            "model",
         )
     for ids in prompts:
         if req.max_tokens == 0 and len(ids) > context:

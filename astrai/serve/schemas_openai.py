@@ -284,6 +284,21 @@ class Model(Struct):
     object: str = "model"
     owned_by: str = "astrai"
     type: str = "model"
+    parent: str | None = None  # an adapter's base model, as vLLM lists LoRA adapters
+
+
+class AdapterLoad(Struct, forbid_unknown_fields=True):
+    """POST /v1/adapters: load the adapter folder at `path` (PEFT's, or a `just train` run's)
+    under `name`."""
+
+    name: str
+    path: str
+
+
+class AdapterDeleted(Struct):
+    id: str
+    object: str = "adapter"
+    deleted: bool = True
 
 
 class ModelList(Struct):

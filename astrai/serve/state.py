@@ -10,6 +10,7 @@ from typing import Any
 
 from msgspec import Struct
 
+from astrai.serve.adapters import requested_adapter
 from astrai.serve.errors import APIError, bad_request
 from astrai.serve.metrics import Metrics
 
@@ -33,14 +34,9 @@ def now() -> int:
     return int(time.time())
 
 
-def check_model(state: AppState, model: str) -> None:
-    if model != state.model_name:
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
-            "model",
-            "model_not_found",
-        )
+def check_model(state: AppState, model: str) -> str | None:
+    """The adapter `model` names (None: the base model); a 404 for a model not served."""
+    return requested_adapter(state.engine, state.model_name, model)
 
 
 def prompt_too_long(n_prompt: int, context: int, param: str) -> APIError:

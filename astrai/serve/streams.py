@@ -18,10 +18,10 @@ from typing import Any
 
 import anyio
 
-from astrai.infer import Completion, Overloaded, PromptTooLong
+from astrai.infer import Completion, Overloaded, PromptTooLong, UnknownAdapter
 from astrai.infer.events import add_event
 from astrai.serve.engine_requests import EngineRequest
-from astrai.serve.errors import bad_request, generation_failed, overloaded
+from astrai.serve.errors import APIError, bad_request, generation_failed, overloaded
 from astrai.serve.metrics import Metrics, count_usage, observe
 
 Event = Any  # astrai.infer.StreamEvent
@@ -147,6 +147,8 @@ async def _started(request_id, streams: dict, firsts: dict, metrics, since: floa
 
 def _refusal(exc: BaseException) -> BaseException:
     """The engine's refusals as the HTTP errors they are."""
+    if isinstance(exc, UnknownAdapter):  # unloaded since the request's model was checked
+        return APIError(404, str(exc), "model", "model_not_found")
     if isinstance(exc, PromptTooLong):
         return bad_request(str(exc), "max_tokens", "context_length_exceeded")
     if isinstance(exc, Overloaded):
@@ -163,7 +165,9 @@ def engine_ids(request_id: str, n: int) -> list[str]:
 
 
 def _submit(engine, request_id: str, request: EngineRequest):
-    return engine.astream(request.prompt, request.sampling, request_id=request_id)
+    return engine.astream(
+        request.prompt, request.sampling, request_id=request_id, adapter=request.adapter
+    )
 
 
 async def open_choices(

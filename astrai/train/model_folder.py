@@ -4,6 +4,7 @@ the tokenizer files beside the weights, and with LoRA the adapter alone as a PEF
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def export_model(state: TrainState, path: Path, tokenizer: str = "") -> None:
 def export_adapter(state: TrainState, path: Path) -> Path:
     """The trained LoRA adapters alone, as a PEFT adapter folder (astrai.model.lora_folder):
     what `load_lora`, PEFT and servers of many adapters over one base model read. The base
-    model is the run's `init_from`."""
+    model is the run's `init_from`; a local folder is written as an absolute path, so that
+    PEFT's AutoPeftModel finds it from any working directory."""
     base = state.train_config.init_from
+    if base and Path(base).is_dir():
+        base = os.path.abspath(base)
     return save_lora(path, state.lora, state.model_config, base_model=base)
