@@ -34,6 +34,9 @@ class Totals:
     errors: int = 0
     completion_tokens: int = 0
     requests_added: int = 0  # numbers the generators of requests given no seed
+    spec_steps: int = 0  # speculative rows verified (see EngineStats)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(eq=False)
