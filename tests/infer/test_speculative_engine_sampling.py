@@ -38,10 +38,10 @@ def setup(tmp_path_factory):
         prompt = seen + tail
     probs = _probs(ai.forward(params, cfg, torch.tensor([prompt]))[0, -1:], prompt)[0]
     firsts = torch.nonzero(probs > 0).flatten().tolist()
-    batch = torch.tensor([prompt + [t] for t in firsts])
+    batch = torch.tensor([[*prompt, t] for t in firsts])
     seconds = ai.forward(params, cfg, batch)[:, -1]
     exact = sum(
-        probs[t] * _probs(seconds[i : i + 1], prompt + [t])[0] for i, t in enumerate(firsts)
+        probs[t] * _probs(seconds[i : i + 1], [*prompt, t])[0] for i, t in enumerate(firsts)
     )
     covered = float(sum(probs[t] for t in firsts if t in prompt[:-1]))
     assert covered > 0.5, "the test needs lookup to propose for most first tokens"
