@@ -51,7 +51,9 @@ from astrai.model import DTYPES, Params, load_pretrained
 
 # Per request: the moving average of accepted / proposed starts at RATE_START and moves by
 # RATE_WEIGHT of each step's share. Below RATE_FLOOR a request stops proposing for PAUSE_MIN
-# steps, twice as long after each further failure, up to PAUSE_MAX, then tries again: alone
+# steps, twice as long after each further failure, up to PAUSE_MAX, then tries again (one
+# verification with nothing kept pauses it again; measured, a retry judged afresh from
+# RATE_START spent three failed verifications per pause on an always-wrong proposer): alone
 # in its step, a row proposing k tokens pays verify_cost(k) = 0.3 + 0.1 k (0.7 at k = 4) and
 # gains rate x k, a loss below about 0.2.
 RATE_START = 0.5
@@ -140,7 +142,7 @@ def update_rate(row: RowSpec, proposed: int, accepted: int) -> RowSpec:
         row.backoff = PAUSE_MIN
     elif row.rate < RATE_FLOOR:
         row.pause, row.backoff = row.backoff, min(2 * row.backoff, PAUSE_MAX)
-        row.rate = RATE_START  # the retry is judged afresh
+        row.rate = RATE_FLOOR  # the retry starts at the floor: one more failure pauses again
     return row
 
 

@@ -158,11 +158,12 @@ def test_a_row_that_keeps_little_pauses_then_tries_again():
         if row.pause:
             break
     assert row.pause == speculate_step.PAUSE_MIN and row.backoff == 2 * row.pause
-    row.pause = 0
+    row.pause = 0  # the retry: one more failure pauses it again, twice as long
     row = speculate_step.update_rate(row, 4, 0)
-    row = speculate_step.update_rate(row, 4, 0)
-    row = speculate_step.update_rate(row, 4, 0)
-    assert row.pause == 2 * speculate_step.PAUSE_MIN  # a second failure waits longer
+    assert row.pause == 2 * speculate_step.PAUSE_MIN
+    row.pause = 0  # a retry that keeps its proposal goes on
+    row = speculate_step.update_rate(row, 4, 4)
+    assert row.pause == 0 and row.rate > speculate_step.RATE_FLOOR
     good = speculate_step.update_rate(speculate_step.RowSpec(), 4, 4)
     assert good.pause == 0 and good.rate > speculate_step.RATE_START
 
