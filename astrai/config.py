@@ -409,6 +409,19 @@ def _require_non_negative(owner: object, *names: str) -> None:
             raise ValueError(f"{name} must be >= 0, got {getattr(owner, name)}")
 
 
+def _check_speculative(owner: object) -> None:
+    """The speculative settings agree: a draft model with "draft" and only then."""
+    speculative, draft_model = owner.speculative, owner.draft_model
+    if speculative not in (None, "lookup", "draft"):
+        raise ValueError(f'speculative must be "lookup", "draft" or not set, got {speculative!r}')
+    if speculative == "draft" and not draft_model:
+        raise ValueError('speculative = "draft" needs draft_model (the draft model\'s folder)')
+    if draft_model and speculative != "draft":
+        raise ValueError(
+            f'draft_model is only used with speculative = "draft", got {speculative!r}'
+        )
+
+
 class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[optimizer]: the update rule, its hyper-parameters and gradient clipping."""
 
@@ -578,9 +591,19 @@ class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     list[float]`."""
     reward_weights: tuple[float, ...] = ()
     """Weight of each reward in the total; empty = 1 each."""
+    speculative: Literal["lookup", "draft"] | None = None
+    """Speculative decoding of the rollouts (the engine's `speculative`): the samples keep the
+    policy's distribution, and the steps that keep several tokens make rollouts faster."""
+    draft_model: str | None = None
+    """With speculative = "draft": the draft model's folder (the policy's tokenizer)."""
+    speculative_k: int = 4
+    """Most tokens proposed per completion per step."""
 
     def __post_init__(self) -> None:
-        _require_positive(self, "prompts_per_round", "epochs", "max_new_tokens", "temperature")
+        _require_positive(
+            self, "prompts_per_round", "epochs", "max_new_tokens", "temperature", "speculative_k"
+        )
+        _check_speculative(self)
         _require_non_negative(self, "top_k")
         if self.group_size < 2:
             raise ValueError(
@@ -1030,6 +1053,22 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reader's thread, which on a machine with few cores takes CPU from the compute: at 20 ms, a
     stream decoding 200 tokens a second is woken 50 times a second instead of 200. 0: every
     step."""
+    speculative: Literal["lookup", "draft"] | None = None
+    """Speculative decoding in every engine step: a proposer guesses up to `speculative_k`
+    next tokens of each decoding request, one batched forward of the model checks them all,
+    and the longest run the model agrees with is kept (greedy output is unchanged; sampled
+    output keeps its distribution, by rejection sampling). "lookup": copy what followed the
+    request's last n-gram earlier in its prompt or output (no model; pays off when the output
+    quotes its input). "draft": a smaller model with the same tokenizer (`draft_model`).
+    Not set: no speculation. docs/inference.md says when the engine speculates less."""
+    draft_model: str | None = None
+    """With speculative = "draft": the draft model's folder, loaded like the target's; its
+    vocabulary must be the target's."""
+    speculative_k: int = 4
+    """Most tokens proposed per request per step."""
+    lookup_ngram: int = 3
+    """With speculative = "lookup": the longest n-gram matched; shorter ones are tried down
+    to 2 (down to 1 when this is 1)."""
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -1040,7 +1079,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "decode_run",
             "max_pool_bytes",
             "max_adapters",
+            "speculative_k",
+            "lookup_ngram",
         )
+        _check_speculative(self)
         _require_non_negative(
             self, "max_waiting", "stream_interval_ms", "decode_run_ms", "stats_interval_ms"
         )

@@ -103,6 +103,15 @@ def main() -> int:
     parser.add_argument(
         "--quantize", choices=["int8", "int4"], help="8- or 4-bit weights (default: none)"
     )
+    parser.add_argument(
+        "--speculative",
+        choices=["lookup", "draft"],
+        help="speculative decoding: prompt lookup, or a draft model (--draft-model)",
+    )
+    parser.add_argument("--draft-model", help="the draft model's folder (same tokenizer)")
+    parser.add_argument(
+        "--speculative-k", type=int, default=4, help="most tokens proposed per request per step"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args()
     defaults = {
@@ -123,6 +132,9 @@ def main() -> int:
             max_batch=args.max_batch,
             dtype=args.dtype,
             quantize=args.quantize,
+            speculative=args.speculative,
+            draft_model=args.draft_model,
+            speculative_k=args.speculative_k,
         )
     except (InputError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -74,7 +74,8 @@ def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
     ]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    args = ["--model", str(tmp_path / "model"), "--input", str(prompts), "--output", str(out)]
+    model = str(tmp_path / "model")
+    args = ["--model", model, "--input", str(prompts), "--output", str(out)]
     assert run_program(monkeypatch, *args, "--max-tokens", "5", "--temperature", "0") == 0
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["index"] for r in results] == [0, 1, 2]
@@ -91,6 +92,18 @@ def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
         assert [r["index"] for r in quantized] == [0, 1, 2]
         assert all(r["finish_reason"] in ("stop", "length") for r in quantized)
         capsys.readouterr()
+
+    # speculation (the model as its own draft) changes no greedy token
+    greedy = [r["text"] for r in results]
+    for spec in (["--speculative", "lookup"], ["--speculative", "draft", "--draft-model", model]):
+        assert (
+            run_program(monkeypatch, *args, "--max-tokens", "5", "--temperature", "0", *spec) == 0
+        )
+        speculated = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [r["text"] for r in speculated] == greedy
+        capsys.readouterr()
+    assert run_program(monkeypatch, *args, "--speculative", "draft") == 1
+    assert "needs draft_model" in capsys.readouterr().err
 
     prompts.write_text('{"prompt": "x"}\n{"promt": "y"}\n')
     assert run_program(monkeypatch, *args) == 1
