@@ -145,6 +145,26 @@ def test_decode_runs_give_each_row_its_adapters_tokens(monkeypatch):
     assert done[1][-1] == alone(params, cfg, prompts[-1], greedy).token_ids  # the base row
 
 
+def test_speculation_verifies_each_row_with_its_adapter():
+    """Prompt lookup over a batch of adapter and base rows: the verification forward runs each
+    row's adapter, so greedy tokens equal those decoded without speculation."""
+    params, cfg = make_model("gqa")
+    adapters = dict(list(eight_adapters(params, cfg).items())[:3])
+    names = [*adapters, None]
+    prompts = [p * 3 for p in prompts_for(cfg, len(names), seed=3, longest=6)]  # repeats: lookup
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    done, totals = {}, None
+    for speculative in (None, "lookup"):
+        state = init_engine(params, cfg, None, speculative=speculative, **SETTINGS)
+        for name, (lora, lora_cfg) in adapters.items():
+            state = load_adapter(state, name, lora, lora_cfg)
+        requests = [Request(f"r{i}", p, greedy, n) for i, (p, n) in enumerate(zip(prompts, names))]
+        state, completions = run_requests(state, params, requests)
+        done[speculative], totals = [c.token_ids for c in completions], state.totals
+    assert totals.spec_accepted > 0
+    assert done["lookup"] == done[None]
+
+
 ENGINE_KINDS = [
     pytest.param({}, id="float32-prepared"),
     pytest.param({"dtype": "bfloat16"}, id="bfloat16-prepared"),
