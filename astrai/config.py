@@ -1059,11 +1059,40 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reader's thread, which on a machine with few cores takes CPU from the compute: at 20 ms, a
     stream decoding 200 tokens a second is woken 50 times a second instead of 200. 0: every
     step."""
+    speculative: Literal["lookup", "draft"] | None = None
+    """Speculative decoding in every engine step: a proposer guesses up to `speculative_k`
+    next tokens of each decoding request, one batched forward of the model checks them all,
+    and the longest run the model agrees with is kept (greedy output is unchanged; sampled
+    output keeps its distribution, by rejection sampling). "lookup": copy what followed the
+    request's last n-gram earlier in its prompt or output (no model; pays off when the output
+    quotes its input). "draft": a smaller model with the same tokenizer (`draft_model`).
+    Not set: no speculation. docs/inference.md says when the engine speculates less."""
+    draft_model: str | None = None
+    """With speculative = "draft": the draft model's folder, loaded like the target's; its
+    vocabulary must be the target's."""
+    speculative_k: int = 4
+    """Most tokens proposed per request per step."""
+    lookup_ngram: int = 3
+    """With speculative = "lookup": the longest n-gram matched; shorter ones are tried down
+    to 2 (down to 1 when this is 1)."""
 
     def __post_init__(self) -> None:
         _require_positive(
-            self, "page_size", "max_batch", "prefill_chunk", "decode_run", "max_pool_bytes"
+            self,
+            "page_size",
+            "max_batch",
+            "prefill_chunk",
+            "decode_run",
+            "max_pool_bytes",
+            "speculative_k",
+            "lookup_ngram",
         )
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError('speculative = "draft" needs draft_model (the draft model\'s folder)')
+        if self.draft_model and self.speculative != "draft":
+            raise ValueError(
+                f'draft_model is only used with speculative = "draft", got {self.speculative!r}'
+            )
         _require_non_negative(
             self, "max_waiting", "stream_interval_ms", "decode_run_ms", "stats_interval_ms"
         )

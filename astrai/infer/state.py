@@ -23,6 +23,7 @@ from astrai.infer.scheduler import (
     init_scheduler,
 )
 from astrai.infer.sequence import Sequence
+from astrai.infer.speculate_step import Speculator, forget, init_speculator
 from astrai.model import DTYPES
 
 
@@ -34,6 +35,9 @@ class Totals:
     errors: int = 0
     completion_tokens: int = 0
     requests_added: int = 0  # numbers the generators of requests given no seed
+    spec_steps: int = 0  # speculative rows verified (see EngineStats)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(eq=False)
@@ -49,6 +53,7 @@ class EngineState:
     sched: Scheduler
     final_events: list[StreamEvent]
     totals: Totals
+    spec: Speculator | None = None  # speculative decoding's state (EngineConfig.speculative)
     donated_to: str | None = None  # the function this object was handed to (see donation.py)
 
 
@@ -61,13 +66,15 @@ def init_engine(
 ) -> EngineState:
     """An idle engine: an empty page pool and prefix cache, no requests. Settings are the
     fields of EngineConfig, given as `config` and/or keyword arguments (which win). params
-    only tell the default dtype; `engine_step` takes the weights to run each time."""
+    only tell the default dtype; `engine_step` takes the weights to run each time. With
+    speculative = "draft", the draft model is read from `draft_model` here."""
     config = engine_settings(cfg, params, config, settings)
     pool = init_pages(
         cfg, config.num_pages, config.page_size, DTYPES[config.dtype], torch.device(config.device)
     )
     sched = init_scheduler(pool, config, cfg.attention_window)
-    return EngineState(cfg, tokenizer, config, sched, [], Totals())
+    spec = init_speculator(config, cfg)
+    return EngineState(cfg, tokenizer, config, sched, [], Totals(), spec)
 
 
 def request_seed(engine_seed: int, n: int) -> int:
@@ -119,6 +126,8 @@ def retire(
 ) -> tuple[EngineState, StreamEvent]:
     """End seq: free (and offer to the prefix cache) its pages; returns its final event."""
     state.sched = finish_sequence(state.sched, seq, cache=reason != "error")
+    if state.spec is not None:
+        state.spec = forget(state.spec, seq.id)
     t = state.totals
     match reason:
         case "abort":

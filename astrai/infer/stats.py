@@ -28,6 +28,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # speculative decoding (EngineConfig.speculative), cumulative: request rows verified with
+    # at least one proposed token, tokens proposed to them, and of those the tokens kept
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     tokens_per_s: float = 0.0  # measured by the Engine over the recent past; 0 without one
     uptime_s: float = 0.0  # since the Engine started; 0 without one
 
@@ -54,4 +59,7 @@ def engine_stats(state: EngineState) -> EngineStats:
         prompt_tokens=s.prompt_tokens,
         cached_tokens=s.cached_tokens,
         completion_tokens=t.completion_tokens,
+        spec_steps=t.spec_steps,
+        spec_proposed=t.spec_proposed,
+        spec_accepted=t.spec_accepted,
     )

@@ -28,6 +28,7 @@ from astrai.infer.requests import Request
 from astrai.infer.sampling import sample_ids, sample_requests
 from astrai.infer.scheduler import StepPlan, advance, decode_run_length, fed, plan_step, reserve_run
 from astrai.infer.sequence import Sequence
+from astrai.infer.speculate_step import propose, reserve, settle, verify
 from astrai.infer.state import EngineState, add_request, describe, end_all, retire
 from astrai.infer.text import token_text
 from astrai.model import Params
@@ -148,6 +149,13 @@ def engine_step(
         return state, events
     if not plan.decode and not plan.prefill:
         return state, events
+    if state.spec is not None and plan.decode:
+        try:
+            state.spec, proposals = propose(state.spec, plan.decode)
+        except Exception as exc:
+            return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
+        if any(p.tokens for p in proposals):
+            return _take_speculative(state, params, plan, proposals, events)
     steps = decode_run_length(plan, state.engine_config, step_seconds)
     if steps > 1:
         state.sched, reserved = reserve_run(state.sched, plan.decode, steps)
@@ -155,17 +163,7 @@ def engine_step(
             return _take_run(state, params, plan.decode, steps, events)
     try:
         state, rows, logits = _run_model(state, params, plan)
-        sampled = (
-            sample_requests(
-                logits,
-                [seq.sampling for seq in rows],
-                [seq.generator for seq in rows],
-                [seq.tokens for seq in rows],
-                allowed_tokens([seq.matcher for seq in rows], logits.shape[-1], logits.device),
-            )
-            if rows
-            else []
-        )
+        sampled = _sample(rows, logits)
     except Exception as exc:
         return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
     state.totals.steps += 1
@@ -173,6 +171,19 @@ def engine_step(
         state, event = _take_or_fail(state, seq, token, logprob)
         events.append(event)
     return state, events
+
+
+def _sample(rows: list[Sequence], logits: torch.Tensor | None) -> list:
+    """Each row's token, with its Logprob when asked for."""
+    if not rows:
+        return []
+    return sample_requests(
+        logits,
+        [seq.sampling for seq in rows],
+        [seq.generator for seq in rows],
+        [seq.tokens for seq in rows],
+        allowed_tokens([seq.matcher for seq in rows], logits.shape[-1], logits.device),
+    )
 
 
 def _fail(
@@ -214,6 +225,42 @@ def _take_run(
             events.append(event)
             if event.finish_reason is not None:
                 break
+    return state, events
+
+
+def _take_speculative(
+    state: EngineState, params: Params, plan: StepPlan, proposals: list, events: list
+) -> tuple[EngineState, list[StreamEvent]]:
+    """The step with speculation (see speculate_step.py): one forward verifies the proposals
+    of the decoding rows, the prompt chunks run as usual; each decoding row then takes its
+    kept tokens in order up to its end, as if each had come in a step of its own."""
+    seqs, prefill_plan = plan.decode, StepPlan([], plan.prefill, plan.preempted)
+    try:
+        state.sched, proposals = reserve(state.sched, seqs, proposals)
+        state.sched, state.spec, kept, counts = verify(
+            state.sched, state.spec, params, state.model_config, seqs, proposals
+        )
+        state, rows, logits = _run_model(state, params, prefill_plan)
+        sampled = _sample(rows, logits)
+    except Exception as exc:
+        return _fail(state, [*seqs, *(seq for seq, _ in plan.prefill)], exc, events)
+    t = state.totals
+    t.steps += 1
+    t.spec_steps, t.spec_proposed, t.spec_accepted = (
+        a + b for a, b in zip((t.spec_steps, t.spec_proposed, t.spec_accepted), counts)
+    )
+    for seq, tokens in zip(seqs, kept):
+        for token, logprob in tokens:
+            state.sched = fed(state.sched, seq, 1)  # the K/V of the token fed before this one
+            state, event = _take_or_fail(state, seq, token, logprob)
+            events.append(event)
+            if event.finish_reason is not None:
+                break
+        else:
+            state.sched, state.spec = settle(state.sched, state.spec, seq)
+    for seq, (token, logprob) in zip(rows, sampled):
+        state, event = _take_or_fail(state, seq, token, logprob)
+        events.append(event)
     return state, events
 
 

@@ -1,0 +1,165 @@
+"""Speculative decoding in the engine step: greedy output token for token equal to plain
+decoding, sampled output with the target's distribution, settings checked."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from infer_models import make_model
+
+import astrai as ai
+from astrai.config import EngineConfig
+from astrai.infer import speculate_step
+from astrai.infer.proposal import Proposal
+from astrai.infer.requests import Request
+from astrai.infer.sampling import SamplingParams
+from astrai.infer.sequence import Sequence
+from astrai.infer.state import init_engine
+from astrai.infer.stats import engine_stats
+from astrai.infer.step import run_requests
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("gqa", seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory, target):
+    """Draft folders: the target itself (it accepts everything: long runs are kept) and
+    another tiny model with the same vocabulary (it is mostly rejected)."""
+    root = tmp_path_factory.mktemp("drafts")
+    other = make_model("gqa", seed=1)
+    for name, (params, cfg) in {"self": target, "other": other}.items():
+        ai.save_pretrained(root / name, params, cfg)
+    return {name: str(root / name) for name in ("self", "other")}
+
+
+@pytest.fixture
+def always_verify(monkeypatch):
+    """Verify whatever is proposed, so the tests exercise speculation in every step rather
+    than only where it pays."""
+    monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    """Prompts of 1 to 60 tokens, most of them repeating a short pattern (so lookup finds
+    matches) with some noise."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        pattern = [rng.randrange(300) for _ in range(rng.randrange(1, 9))]
+        tokens = (pattern * 60)[: rng.randrange(1, 61)]
+        out.append([t if rng.random() > 0.1 else rng.randrange(300) for t in tokens])
+    return out
+
+
+def _requests(prompts: list[list[int]], seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(
+            str(i),
+            p,
+            SamplingParams(
+                max_tokens=rng.randrange(1, 13),
+                temperature=0.0,
+                # a stop token some requests meet inside an accepted run
+                stop_token_ids=[rng.randrange(300)] if rng.random() < 0.3 else [],
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _outputs(params, cfg, requests, **settings):
+    state = init_engine(params, cfg, None, **settings)
+    state, completions = run_requests(state, params, requests)
+    stats = engine_stats(state)
+    assert stats.pages_used == 0 and stats.running == 0
+    return [c.token_ids for c in completions], [c.finish_reason for c in completions], stats
+
+
+# (speculation settings, engine settings, prompts): batch 1 and batched, prefix cache on and
+# off, a pool small enough to preempt; 560 prompts in all
+CASES = [
+    ("lookup", dict(max_batch=1), 60),
+    ("lookup", dict(max_batch=8, prefix_cache=False), 100),
+    ("lookup", dict(max_batch=8, page_size=4, num_pages=40), 100),
+    ("self", dict(max_batch=1, speculative_k=3), 50),
+    ("self", dict(max_batch=8, page_size=4, num_pages=40), 100),
+    ("other", dict(max_batch=8, prefix_cache=False, speculative_k=2), 50),
+    ("other", dict(max_batch=6, page_size=4, num_pages=30), 100),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_greedy_output_is_plain_decodings(case, target, drafts, always_verify):
+    kind, settings, n = CASES[case]
+    params, cfg = target
+    requests = _requests(_prompts(case, n), case)
+    spec = dict(speculative="lookup", lookup_ngram=3)
+    if kind != "lookup":
+        spec = dict(speculative="draft", draft_model=drafts[kind])
+    plain, plain_reasons, _ = _outputs(params, cfg, requests, **settings)
+    fast, fast_reasons, stats = _outputs(params, cfg, requests, **settings, **spec)
+    assert fast == plain
+    assert fast_reasons == plain_reasons
+    assert stats.spec_proposed > 0 and stats.spec_steps > 0
+    if kind == "self":  # the target as its own draft: everything proposed is kept
+        assert stats.spec_accepted == stats.spec_proposed
+    if "num_pages" in settings:
+        assert stats.preemptions > 0
+
+
+def test_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    params, cfg = target
+    small_cfg = msgspec.structs.replace(cfg, vocab_size=200)
+    ai.save_pretrained(tmp_path, ai.init_params(small_cfg, seed=0), small_cfg)
+    with pytest.raises(ValueError, match="draft_model: its vocabulary has 200 tokens"):
+        init_engine(params, cfg, None, speculative="draft", draft_model=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(speculative="draft"), "needs draft_model"),
+        (dict(draft_model="x"), 'only used with speculative = "draft"'),
+        (dict(speculative="lookup", speculative_k=0), "speculative_k must be positive"),
+        (dict(speculative="lookup", lookup_ngram=0), "lookup_ngram must be positive"),
+    ],
+)
+def test_bad_settings_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_speculation_pays_only_when_expected_tokens_cover_the_cost():
+    spec = speculate_step.Speculator("lookup", 4, 3)
+    seqs = [Sequence(str(i), [1], 1) for i in range(16)]
+    for seq in seqs:
+        spec.rows[seq.id] = speculate_step.RowSpec(rate=0.5)
+    four = Proposal([1, 2, 3, 4])
+    none = Proposal([])
+    # one row alone: 2 expected tokens against 0.7 of a step
+    assert speculate_step.worth_verifying(spec, seqs[:1], [four])
+    # 16 rows, 2 proposing: 4 expected tokens against 16 x 0.7
+    assert not speculate_step.worth_verifying(spec, seqs, [four] * 2 + [none] * 14)
+    assert speculate_step.worth_verifying(spec, seqs, [four] * 16)
+
+
+def test_a_row_that_keeps_little_pauses_then_tries_again():
+    row = speculate_step.RowSpec()
+    for _ in range(4):
+        row = speculate_step.update_rate(row, 4, 0)
+        if row.pause:
+            break
+    assert row.pause == speculate_step.PAUSE_MIN and row.backoff == 2 * row.pause
+    row.pause = 0
+    row = speculate_step.update_rate(row, 4, 0)
+    row = speculate_step.update_rate(row, 4, 0)
+    row = speculate_step.update_rate(row, 4, 0)
+    assert row.pause == 2 * speculate_step.PAUSE_MIN  # a second failure waits longer
+    good = speculate_step.update_rate(speculate_step.RowSpec(), 4, 4)
+    assert good.pause == 0 and good.rate > speculate_step.RATE_START
