@@ -101,6 +101,35 @@ def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
     assert exit_info.value.code == 0
 
 
+def test_generate_program_speculates_with_the_same_greedy_output(
+    tmp_path, monkeypatch, capsys, tokenizer
+):
+    cfg = ai.ModelConfig(**{**BASE, "vocab_size": tokenizer.vocab_size})
+    ai.save_pretrained(tmp_path / "model", ai.init_params(cfg), cfg, tokenizer=tokenizer)
+    prompts = tmp_path / "in.jsonl"
+    lines = [{"prompt": "hello world hello world hello"}, {"prompt": "the quick brown the quick"}]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    model = ["--model", str(tmp_path / "model"), "--input", str(prompts), "--quiet"]
+    greedy = ["--max-tokens", "10", "--temperature", "0"]
+    texts = {}
+    for name, flags in {
+        "plain": [],
+        "lookup": ["--speculative", "lookup"],
+        "draft": ["--speculative", "draft", "--draft-model", str(tmp_path / "model")],
+    }.items():
+        out = tmp_path / f"{name}.jsonl"
+        assert run_program(monkeypatch, *model, *greedy, *flags, "--output", str(out)) == 0
+        texts[name] = [json.loads(x)["text"] for x in out.read_text().splitlines()]
+    assert texts["lookup"] == texts["draft"] == texts["plain"]
+
+    capsys.readouterr()
+    assert run_program(monkeypatch, *model, "--draft-model", str(tmp_path / "model")) == 1
+    assert "only used with speculative" in capsys.readouterr().err
+    missing = str(tmp_path / "missing")
+    assert run_program(monkeypatch, *model, "--speculative", "draft", "--draft-model", missing) == 1
+    assert f"--draft-model {missing}: not a model folder" in capsys.readouterr().err
+
+
 def test_docs_speculative_example_runs():
     text = (ROOT / "docs" / "inference.md").read_text()
     block = re.search(r"## Speculative decoding.*?```python\n(.*?)```", text, re.S).group(1)
