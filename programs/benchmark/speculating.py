@@ -93,7 +93,7 @@ def speculation(b) -> None:
 
     quick = b.work.new_tokens < 64
     n = 16 if quick else 24  # within the quotes the model learned (QUOTE tokens)
-    steps = 20 if quick else 400
+    steps = 20 if quick else 300
     per_round = 1 if quick else 4  # batch-1 requests per round, one after another
     target, draft = spec_models(b.folder.parent, b.size, steps)
     work = dataclasses.replace(
