@@ -409,6 +409,19 @@ def _require_non_negative(owner: object, *names: str) -> None:
             raise ValueError(f"{name} must be >= 0, got {getattr(owner, name)}")
 
 
+def _check_speculative(owner: object) -> None:
+    """The speculative settings agree: a draft model with "draft" and only then."""
+    speculative, draft_model = owner.speculative, owner.draft_model
+    if speculative not in (None, "lookup", "draft"):
+        raise ValueError(f'speculative must be "lookup", "draft" or not set, got {speculative!r}')
+    if speculative == "draft" and not draft_model:
+        raise ValueError('speculative = "draft" needs draft_model (the draft model\'s folder)')
+    if draft_model and speculative != "draft":
+        raise ValueError(
+            f'draft_model is only used with speculative = "draft", got {speculative!r}'
+        )
+
+
 class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[optimizer]: the update rule, its hyper-parameters and gradient clipping."""
 
@@ -599,9 +612,19 @@ class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     list[float]`."""
     reward_weights: tuple[float, ...] = ()
     """Weight of each reward in the total; empty = 1 each."""
+    speculative: Literal["lookup", "draft"] | None = None
+    """Speculative decoding of the rollouts (the engine's `speculative`): the samples keep the
+    policy's distribution, and the steps that keep several tokens make rollouts faster."""
+    draft_model: str | None = None
+    """With speculative = "draft": the draft model's folder (the policy's tokenizer)."""
+    speculative_k: int = 4
+    """Most tokens proposed per completion per step."""
 
     def __post_init__(self) -> None:
-        _require_positive(self, "prompts_per_round", "epochs", "max_new_tokens", "temperature")
+        _require_positive(
+            self, "prompts_per_round", "epochs", "max_new_tokens", "temperature", "speculative_k"
+        )
+        _check_speculative(self)
         _require_non_negative(self, "top_k")
         if self.group_size < 2:
             raise ValueError(
@@ -1087,12 +1110,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "speculative_k",
             "lookup_ngram",
         )
-        if self.speculative == "draft" and not self.draft_model:
-            raise ValueError('speculative = "draft" needs draft_model (the draft model\'s folder)')
-        if self.draft_model and self.speculative != "draft":
-            raise ValueError(
-                f'draft_model is only used with speculative = "draft", got {self.speculative!r}'
-            )
+        _check_speculative(self)
         _require_non_negative(
             self, "max_waiting", "stream_interval_ms", "decode_run_ms", "stats_interval_ms"
         )

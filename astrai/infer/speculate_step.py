@@ -94,10 +94,8 @@ def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None
                 f"draft_model: its vocabulary has {draft_cfg.vocab_size} tokens, the target's"
                 f" {cfg.vocab_size}; the draft must use the target's tokenizer"
             )
-        spec.draft = init_draft(
-            params, draft_cfg, config.num_pages, config.page_size, DTYPES[config.dtype],
-            config.device,
-        )  # fmt: skip
+        dtype, pages = DTYPES[config.dtype], config.num_pages
+        spec.draft = init_draft(params, draft_cfg, pages, config.page_size, dtype, config.device)
     return spec
 
 
@@ -114,11 +112,12 @@ def verify_cost(longest: int) -> float:
     as a share of the decode step.
 
     Measured on this CPU (2 cores shared with six other jobs, so rounded; float32, one
-    thread, a 512-wide 8-layer model with a 32k vocabulary at 200 tokens of context, best of
-    ten, /tmp cost script in docs/inference.md), the verify forward over 1 + k positions took,
-    against a decode step: k=1 1.4-2.0x, k=2 1.4-2.3x, k=4 1.65-1.85x at 1, 4, 8 and 16
-    rows alike (the products stay bound by reading the weights; the logits of every position
-    add the rest). So about 0.3 + 0.1 k beyond the step, whatever the batch."""
+    thread, a 512-wide 8-layer model with a 32k vocabulary at 200 tokens of context;
+    `verify_forward` against `decode_step` on the same pool, best of 2 alternating rounds of 5),
+    the verify forward over 1 + k positions took, against a decode step: k=1 1.1-2.0x, k=2
+    1.1-2.3x, k=4 1.6-1.85x, at 1, 4, 8, 16 and 32 rows alike (the products stay bound by
+    reading the weights; the logits of every position add the rest). So about 0.3 + 0.1 k
+    beyond the step, whatever the batch."""
     return 0.3 + 0.1 * longest
 
 

@@ -123,7 +123,15 @@ def sample_group(
     # a pool sized to the round, not to the model's longest context
     longest = min(max(map(len, rows)) + grpo.max_new_tokens, cfg.max_position_embeddings)
     engine = init_engine(
-        params, cfg, tokenizer, max_batch=len(rows), max_seq_len=longest, device=device
+        params,
+        cfg,
+        tokenizer,
+        max_batch=len(rows),
+        max_seq_len=longest,
+        device=device,
+        speculative=grpo.speculative,
+        draft_model=grpo.draft_model,
+        speculative_k=grpo.speculative_k,
     )
     requests = [
         Request(str(i), p, sampling_params(seed=s, **sampling))

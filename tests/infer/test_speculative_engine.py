@@ -8,10 +8,12 @@ import random
 import msgspec
 import pytest
 from infer_models import make_model
+from numerics import approx, forward_roundings
 
 import astrai as ai
 from astrai.config import EngineConfig
 from astrai.infer import speculate_step
+from astrai.infer.constraints import regex
 from astrai.infer.proposal import Proposal
 from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams
@@ -163,3 +165,58 @@ def test_a_row_that_keeps_little_pauses_then_tries_again():
     assert row.pause == 2 * speculate_step.PAUSE_MIN  # a second failure waits longer
     good = speculate_step.update_rate(speculate_step.RowSpec(), 4, 4)
     assert good.pause == 0 and good.rate > speculate_step.RATE_START
+
+
+def _text_requests() -> list[Request]:
+    text = "hello world, the quick brown fox jumps over the lazy dog. " * 2
+    greedy = dict(temperature=0.0, max_tokens=24)
+    return [
+        Request("stop", text, SamplingParams(**greedy, stop=["hehe", "lazy"])),
+        Request("logprobs", text, SamplingParams(**greedy, logprobs=True, top_logprobs=3)),
+        Request("penalty", text, SamplingParams(**greedy, repetition_penalty=1.3)),
+        Request("bias", text, SamplingParams(**greedy, logit_bias={7: 4.0, 9: -3.0})),
+        Request("grammar", text, SamplingParams(**greedy, constraint=regex(r"[a-z ]{4,30}\."))),
+        Request("seeded", text, SamplingParams(max_tokens=24, temperature=0.0, seed=5)),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["lookup", "self"])
+def test_stops_logprobs_penalties_and_grammar_match_plain_decoding(
+    kind, target, drafts, tokenizer, always_verify
+):
+    params, cfg = target
+    spec = dict(speculative="lookup")
+    if kind != "lookup":
+        spec = dict(speculative="draft", draft_model=drafts[kind])
+    results = []
+    for settings in ({}, spec):
+        state = init_engine(params, cfg, tokenizer, max_batch=4, **settings)
+        state, completions = run_requests(state, params, _text_requests())
+        results.append(completions)
+    assert engine_stats(state).spec_accepted > 0
+    assert results[0][0].stop_reason_text == "hehe"  # a stop string ends a run
+    for plain, fast in zip(*results):
+        assert fast.token_ids == plain.token_ids, fast.request_id
+        assert (fast.text, fast.finish_reason, fast.stop_reason_text) == (
+            plain.text,
+            plain.finish_reason,
+            plain.stop_reason_text,
+        )
+        if plain.logprobs is not None:
+            roundings = forward_roundings(cfg, len(plain.token_ids) + 120)
+            for a, b in zip(fast.logprobs, plain.logprobs):
+                assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert a.logprob == approx(b.logprob, roundings)
+
+
+def test_the_threaded_engine_speculates_and_counts_it(target, drafts, always_verify):
+    params, cfg = target
+    prompts = _prompts(99, 6)
+    with ai.Engine(params, cfg, None, max_batch=4) as engine:
+        plain = [c.token_ids for c in engine.generate(prompts, max_tokens=10, temperature=0)]
+    spec = dict(speculative="draft", draft_model=drafts["self"])
+    with ai.Engine(params, cfg, None, max_batch=4, **spec) as engine:
+        fast = [c.token_ids for c in engine.generate(prompts, max_tokens=10, temperature=0)]
+        stats = engine.stats()
+    assert fast == plain
+    assert 0 < stats.spec_accepted == stats.spec_proposed and stats.spec_steps > 0

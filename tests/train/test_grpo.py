@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import msgspec
 import pytest
 import tokenizers
 import torch
@@ -17,7 +18,8 @@ from tokenizers import models, pre_tokenizers
 from astrai.config import ConfigError, LossConfig, ModelConfig, train_config
 from astrai.data import data_config, prepare
 from astrai.eval.scoring import final_answer, load_reward
-from astrai.model import forward, init_params, token_logps
+from astrai.infer import speculate_step
+from astrai.model import forward, init_params, save_pretrained, token_logps
 from astrai.tokenizer import Tokenizer
 from astrai.train import (
     RewardError,
@@ -118,11 +120,18 @@ def test_builtin_rewards_read_the_final_answer():
         load_reward("nowhere.reward")
 
 
-def test_rollout_logprobs_are_the_models_raw_logprobs():
+@pytest.mark.parametrize("speculative", [False, True])
+def test_rollout_logprobs_are_the_models_raw_logprobs(speculative, tmp_path, monkeypatch):
     """Sampled at temperature 0.7, the log-probs the rollout reports (the old policy) equal
-    log_softmax of the raw logits that `forward` recomputes: the loss's own quantity."""
+    log_softmax of the raw logits that `forward` recomputes: the loss's own quantity. With
+    speculative decoding too (the policy as its own draft, verifying every proposal), whose
+    kept tokens' log-probs come from the verify forward."""
     params = init_params(CFG, seed=3)
     grpo = train_config(grpo_config_dict(), "test").grpo
+    if speculative:
+        save_pretrained(tmp_path, params, CFG)
+        grpo = msgspec.structs.replace(grpo, speculative="draft", draft_model=str(tmp_path))
+        monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
     prompts = [[1, 11, 2], [5, 5, 12, 9, 4]]
     seeds = [request_seed(0, 0, i) for i in range(2 * grpo.group_size)]
     samples = sample_group(params, CFG, word_tokenizer(), prompts, grpo, seeds)
@@ -242,6 +251,8 @@ def test_resumed_run_ends_where_the_straight_run_does(prompts_dir, tmp_path):
         ({"grpo": {"group_size": 1}}, ["group_size"]),
         ({"grpo": {"rewards": ["a.b", "c.d"], "reward_weights": [1.0]}}, ["reward_weights"]),
         ({"grpo": {"temperature": 0.0}}, ["temperature"]),
+        ({"grpo": {"speculative": "draft"}}, ["needs draft_model"]),
+        ({"grpo": {"speculative": "lookup", "speculative_k": 0}}, ["speculative_k"]),
     ],
 )
 def test_bad_grpo_settings_name_the_key(overrides, words):
