@@ -201,6 +201,9 @@ def propose(spec: Speculator, seqs: list[Sequence]) -> tuple[Speculator, list[Pr
             proposals[i] = _trim(proposal, rooms[i])
     proposals = [_grammar_trim(seq, p) for seq, p in zip(seqs, proposals)]
     if not worth_verifying(spec, seqs, proposals):
+        if spec.draft is not None:  # the draft fed its own guesses: only the request's stand
+            for i in asking:
+                spec.draft = draft_rollback(spec.draft, seqs[i].id, len(seqs[i].tokens))
         return spec, [Proposal([])] * len(seqs)
     return spec, proposals
 

@@ -6,9 +6,10 @@
 
 `engine_step` plans the step (admission, pages, preemption), runs chunked prefill and one
 decode token for the running sequences (or, when every one of them samples from its logits
-alone, a run of a few decode steps), samples, detokenizes, applies the stop conditions and returns one
-StreamEvent per token produced or request finished. Requests join (`add_request`) and leave
-(`cancel_request`) between steps. Nothing here reads a clock or waits: the same state and
+alone, a run of a few decode steps; with EngineConfig.speculative, one forward that verifies
+the tokens proposed for each decoding row, see speculate_step.py), samples, detokenizes,
+applies the stop conditions and returns one StreamEvent per token produced or request finished.
+Requests join (`add_request`) and leave (`cancel_request`) between steps. Nothing here reads a clock or waits: the same state and
 weights give the same events.
 
 The state is donated to every function that takes it, JAX-style: the page pool and the

@@ -220,3 +220,20 @@ def test_the_threaded_engine_speculates_and_counts_it(target, drafts, always_ver
         stats = engine.stats()
     assert fast == plain
     assert 0 < stats.spec_accepted == stats.spec_proposed and stats.spec_steps > 0
+
+
+def test_a_draft_skipping_steps_stays_in_step_with_the_target(target, drafts, monkeypatch):
+    """Steps whose proposals are not worth verifying decode plainly (in decode runs of several
+    tokens); the draft, which fed its own guesses in them, rolls back, so the target as its
+    own draft still proposes from the target's distribution and every token is kept (p = q),
+    sampled requests included."""
+    params, cfg = target
+    verdicts = iter([True, False] * 1000)
+    monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: next(verdicts))
+    requests = [
+        Request(str(i), p, SamplingParams(max_tokens=16, temperature=0.8, seed=i))
+        for i, p in enumerate(_prompts(5, 12))
+    ]
+    spec = dict(speculative="draft", draft_model=drafts["self"])
+    _, _, stats = _outputs(params, cfg, requests, max_batch=4, **spec)
+    assert 0 < stats.spec_accepted == stats.spec_proposed

@@ -20,7 +20,7 @@ from astrai.infer.stats import engine_stats
 from astrai.infer.step import run_requests
 
 SP = SamplingParams(max_tokens=3, temperature=0.8, top_k=40)
-SAMPLES = 3000
+SAMPLES = 1500
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def always_verify(monkeypatch):
 
 
 def _second_tokens(params, cfg, prompt, **settings):
-    state = init_engine(params, cfg, None, max_batch=64, num_pages=256, **settings)
+    state = init_engine(params, cfg, None, max_batch=256, num_pages=1024, **settings)
     requests = [
         Request(str(i), prompt, ai.infer.sampling.with_fields(SP, {"seed": i}))
         for i in range(SAMPLES)
