@@ -565,6 +565,27 @@ class TrainDataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require_positive(self, "seq_len")
 
 
+class DistillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """[distill]: train the model towards a teacher's next-token distributions (knowledge
+    distillation), e.g. a small draft model for speculative decoding from the model it drafts
+    for. The teacher runs forward without gradients on every batch; it must share the
+    student's tokenizer (the same vocabulary)."""
+
+    teacher: str = ""
+    """The teacher's model folder (ours or Hugging Face); empty = no distillation."""
+    ce_weight: float = 0.0
+    """Share of the ordinary cross entropy on the labels in the loss:
+    (1 - ce_weight) x KL(teacher || student) + ce_weight x cross entropy."""
+    temperature: float = 1.0
+    """Both distributions are softened by this before the KL, which is scaled by its square
+    (Hinton et al.) so that its gradients keep their size."""
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "temperature")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise ValueError(f"distill.ce_weight must be in [0, 1], got {self.ce_weight}")
+
+
 class GrpoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[grpo]: online GRPO on a prompt dataset: rounds of rollouts through the inference core
     with the current params, scored by reward functions (the loss options stay in [loss])."""
@@ -820,6 +841,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `just eval`'s and unused here."""
     parallel: ParallelConfig = ParallelConfig()
     """The `[parallel]` table: how the ranks `torchrun` starts share the model."""
+    distill: DistillConfig = DistillConfig()
+    """The `[distill]` table: learn from a teacher model's distributions (kind seq or sft)."""
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -842,6 +865,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self._check_rounds()
         if self.parallel.sharded:
             self._check_sharded()
+        if self.distill.teacher and self.kind not in ("seq", "sft"):
+            raise ValueError(f"distill.teacher: kind must be 'seq' or 'sft', got {self.kind!r}")
 
     @property
     def rollouts(self) -> bool:
@@ -903,6 +928,7 @@ def train_config(data: dict[str, Any], source: str = "<dict>", base: Path | None
         init_from=under(cfg.init_from),
         tokenizer=under(cfg.tokenizer),
         data=data_cfg,
+        distill=msgspec.structs.replace(cfg.distill, teacher=under(cfg.distill.teacher)),
     )
 
 
@@ -914,7 +940,22 @@ def load_train_config(path: str | Path) -> TrainConfig:
         raise ConfigError(
             f"{path}: `data.train` must name a prepared data folder (or source = 'synthetic')"
         )
+    if cfg.distill.teacher:
+        _check_distill(cfg, path)
     return cfg
+
+
+def _check_distill(cfg: TrainConfig, path: Path) -> None:
+    """A teacher folder that is missing, or whose vocabulary is not the student's, fails here,
+    at load, rather than after the data is opened."""
+    from astrai.train.distill import check_teacher, teacher_config
+
+    try:
+        teacher = teacher_config(cfg.distill)
+        if cfg.model is not None:  # an init_from student is checked when the run starts
+            check_teacher(teacher, cfg.model, cfg.distill)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def eval_config(data: dict[str, Any], source: str = "<dict>", base: Path | None = None):

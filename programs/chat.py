@@ -1,6 +1,7 @@
 """Chat with a model in the terminal; replies stream token by token.
 
     just chat [--model DIR] [--system TEXT] [--temperature T] [--max-tokens N] [--seed S]
+        [--speculative lookup | --speculative draft --draft-model DIR] [--speculative-k N]
 
 Each line you type is one user message. The whole conversation is rendered with the model's
 chat template, so the model sees every earlier turn (and the engine's prefix cache reuses
@@ -20,6 +21,8 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+
+from speculation_flags import add_speculation_flags, check_draft, speculation_settings
 
 DEMO_MODEL = Path("runs/demo/model")
 COMMANDS = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
@@ -45,10 +48,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quantize", choices=["int8", "int4"], help="8- or 4-bit weights (default: none)"
     )
+    add_speculation_flags(parser)
     return parser.parse_args(argv)
 
 
-def load_engine(folder: Path, dtype: str | None = None, quantize: str | None = None):
+def load_engine(
+    folder: Path,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    speculation: dict | None = None,
+):
     from astrai.infer import Engine
     from astrai.model import model_config_from_json
     from astrai.tokenizer import Tokenizer
@@ -58,7 +67,12 @@ def load_engine(folder: Path, dtype: str | None = None, quantize: str | None = N
     tokenizer = Tokenizer.from_pretrained(folder)
     # One conversation at a time: a pool for one full-length sequence is all it needs.
     engine = Engine.from_pretrained(
-        folder, tokenizer=tokenizer, max_batch=1, dtype=dtype, quantize=quantize
+        folder,
+        tokenizer=tokenizer,
+        max_batch=1,
+        dtype=dtype,
+        quantize=quantize,
+        **(speculation or {}),
     )
     return engine, tokenizer
 
@@ -144,7 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        engine, tokenizer = load_engine(folder, args.dtype, args.quantize)
+        speculation = speculation_settings(args)
+        check_draft(args.draft_model, folder)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine, tokenizer = load_engine(folder, args.dtype, args.quantize, speculation)
     except (OSError, ValueError) as exc:  # a missing folder, a bad config.json or checkpoint
         print(f"error: cannot load {folder}: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Complete a JSONL file of prompts with a model, batched through the Engine.
 
     python programs/generate.py --model DIR --input prompts.jsonl [--output out.jsonl]
+        [--speculative lookup | --speculative draft --draft-model DIR] [--speculative-k N]
 
 Each input line is {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}, ...]}
 (rendered with the model's chat template). A line may also carry sampling fields
@@ -18,6 +19,8 @@ import argparse
 import json
 import sys
 import time
+
+from speculation_flags import add_speculation_flags, check_draft, speculation_settings
 
 from astrai.infer import ConstraintError, Engine, SamplingParams
 from astrai.infer.constraints import choice, json_schema, regex
@@ -103,16 +106,8 @@ def main() -> int:
     parser.add_argument(
         "--quantize", choices=["int8", "int4"], help="8- or 4-bit weights (default: none)"
     )
-    parser.add_argument(
-        "--speculative",
-        choices=["lookup", "draft"],
-        help="speculative decoding: prompt lookup, or a draft model (--draft-model)",
-    )
-    parser.add_argument("--draft-model", help="the draft model's folder (same tokenizer)")
-    parser.add_argument(
-        "--speculative-k", type=int, default=4, help="most tokens proposed per request per step"
-    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    add_speculation_flags(parser)
     args = parser.parse_args()
     defaults = {
         "max_tokens": args.max_tokens,
@@ -126,15 +121,14 @@ def main() -> int:
         requests = read_requests(args.input)
         file_constraint = read_schema(args.json_schema)
         tokenizer = Tokenizer.from_pretrained(args.model)
+        check_draft(args.draft_model, args.model)
         engine = Engine.from_pretrained(
             args.model,
             tokenizer=tokenizer,
             max_batch=args.max_batch,
             dtype=args.dtype,
             quantize=args.quantize,
-            speculative=args.speculative,
-            draft_model=args.draft_model,
-            speculative_k=args.speculative_k,
+            **speculation_settings(args),
         )
     except (InputError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,10 +4,13 @@ requests over HTTP to a real `just serve` process.
     just bench-serve                     # mixed and shared-prefix workloads, the small model
     just bench-serve --quick             # a smoke run: tiny model, few and short requests
     just bench-serve --workloads shared --rates 1,2,inf --variants engine,no-prefix-cache
+    just bench-serve --workloads grounded,mixed --variants engine,lookup
 
-Each workload (mixed lengths; a shared 1,000-token system prompt) is sent at several Poisson
+Each workload (mixed lengths; a shared 1,000-token system prompt; grounded: quoting a given
+document) is sent at several Poisson
 arrival rates and all at once, to the engine as served and to references on the very same
-requests: the engine without the prefix cache, without chunked prefill, and transformers
+requests: the engine without the prefix cache, without chunked prefill, with prompt lookup
+(`--speculative lookup`), and transformers
 static batching (its own process). Results go to runs/bench-serve/<timestamp>/:
 results.json, results.md and one PNG per workload. docs/benchmarks.md explains the workloads
 and how to read the figures.
@@ -35,13 +38,18 @@ from load.server import IDLE_KEYS, MODEL_NAME, idle_stats, serve_process
 from load.workloads import DEFAULT_SHAPES, WORKLOADS, Job, Shape, make_workload
 
 INF = float("inf")
-QUICK_SHAPES = {"mixed": Shape(32, 256, 64), "shared": Shape(16, 1000, 16)}
+QUICK_SHAPES = {
+    "mixed": Shape(32, 256, 64),
+    "shared": Shape(16, 1000, 16),
+    "grounded": Shape(16, 256, 64),
+}
 
 # name -> (serve flags, workloads it is measured on); "transformers" is the static reference
 VARIANTS = {
     "engine": ([], WORKLOADS),
     "no-prefix-cache": (["--no-prefix-cache"], ("shared",)),
     "no-chunked-prefill": (["--no-chunked-prefill"], ("mixed",)),
+    "lookup": (["--speculative", "lookup"], ("grounded", "mixed")),
     "transformers": (None, ("mixed",)),
 }
 REFERENCE_RATES = {"transformers": (INF,)}  # static batching: all at once only (minutes each)
@@ -51,7 +59,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny model, 32 mixed / 16 shared short requests")  # fmt: skip
     p.add_argument("--size", choices=list(SIZES), help="model shape (default small; tiny with --quick)")  # fmt: skip
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: mixed, shared")  # fmt: skip
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: mixed, shared, grounded")  # fmt: skip
     p.add_argument("--rates", default="auto", help="requests/s, comma-separated, inf = all at once; auto: all at once, then 1/4, 1/2 and 3/4 of the rate it achieved")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of: {', '.join(VARIANTS)}")  # fmt: skip
     p.add_argument("--requests", type=int, help="requests per workload (default 256 mixed, 64 shared)")  # fmt: skip

@@ -234,6 +234,8 @@ def load_engine(folder: Path, serve_cfg):
     cfg = model_config_from_json(folder / "config.json")
     tokenizer = Tokenizer.from_pretrained(folder)
     if cfg.model_type == "encoder":
+        if serve_cfg.speculative:
+            raise ValueError("speculative decoding needs a decoder; this is an encoder model")
         dtype = serve_cfg.dtype if serve_cfg.dtype not in (None, "auto") else "float32"
         params, cfg = astrai.load_pretrained(folder, dtype=dtype, device=serve_cfg.device)
         return EncoderModel(params, cfg, tokenizer, serve_cfg.device)
@@ -251,6 +253,19 @@ def describe_weights(engine, serve_cfg) -> str:
     kernels = getattr(engine, "kernels", {})
     products = ", ".join(f"{n} {kind}" for kind, n in kernels.items())
     return f"Weights: {dtype}" + (f"; matrix products: {products}" if products else "")
+
+
+def describe_speculation(serve_cfg) -> str:
+    """One line: how the server speculates, and where its counts are."""
+    source = (
+        f"a draft model ({serve_cfg.draft_model})"
+        if serve_cfg.speculative == "draft"
+        else f"prompt lookup (n-grams up to {serve_cfg.lookup_ngram})"
+    )
+    return (
+        f"Speculative decoding: up to {serve_cfg.speculative_k} tokens per step from {source};"
+        " proposed / accepted tokens in /stats and /metrics"
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -280,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
+    from speculation_flags import check_draft
+
     name = serve_cfg.model_name or default_name(folder, args)
+    try:
+        check_draft(serve_cfg.draft_model, folder)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = start_engine(args, folder, serve_cfg, name)
     except LoraFlagError as exc:
@@ -302,6 +324,8 @@ def run(args: argparse.Namespace, folder: Path, serve_cfg) -> int:
     for adapter, path in adapter_flags(args.lora, name).items():
         print(f"  with LoRA adapter `{adapter}` from {path} (model `{adapter}`)")
     print(describe_weights(engine, serve_cfg))
+    if serve_cfg.speculative:
+        print(describe_speculation(serve_cfg))
     print(f"Chat with it in your browser: {url}/")
     try:
         uvicorn.run(

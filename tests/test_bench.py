@@ -63,7 +63,7 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     sections = {row["section"] for row in results["rows"]}
     assert sections == {
         "limit", "decode", "throughput", "prefill", "train", "structured", "serve", "isolated",
-        "window", "adapters",
+        "speculation", "window", "adapters",
     }  # fmt: skip
     for row in results["rows"]:
         assert row["ours"] > 0, row
@@ -76,6 +76,27 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
     assert {r["section"] for r in engines} == sections - {"limit", "train", "window", "adapters"}
     assert all(r["verdict"] == "comparable" for r in engines), engines
     assert all(r["agreement"] is not None for r in engines if r["section"] != "structured")
+
+
+def test_speculation_section_runs_in_its_quick_form(tmp_path, capsys):
+    argv = ["--quick", "--rounds", "1", "--no-reference", "--only", "speculation"]
+    assert load_program().main([*argv, "--out", str(tmp_path)]) == 0, capsys.readouterr().out
+    results = read_run(tmp_path)
+    assert results["sections"]["speculation"]["status"] == "ok", results["sections"]
+    rows = results["rows"]
+    assert [r["sides"] for r in rows] == [["lookup", "plain"], ["draft", "plain"]] + [
+        ["lookup", "plain"]
+    ] * 3
+    for row in rows:
+        assert row["ratio"] > 0 and row["verdict"] == "comparable", row
+        assert 0.0 <= row["acceptance"] <= 1.0 and row["tokens_per_verification"] >= 1.0
+        assert f"acceptance {row['acceptance']:.2f}" in row["name"]
+        c = row["counts"]
+        assert c["spec_accepted"] <= c["spec_proposed"] <= 4 * c["spec_steps"]
+    # the quote's start is in the prompt: lookup proposes from the first decoding step on
+    assert rows[0]["counts"]["spec_proposed"] > 0
+    # the models are kept for the next run
+    assert (tmp_path / "models" / "spec-tiny-20" / "draft" / "config.json").exists()
 
 
 def test_without_reference_and_with_a_missing_piece(tmp_path, monkeypatch, capsys):

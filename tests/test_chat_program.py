@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -115,3 +116,27 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(model_dir):
         proc.kill()
     assert proc.returncode == 0, err.decode()
     assert err.decode().splitlines()[-2:] == ["(stopped)", "(conversation forgotten)"]
+
+
+def test_speculation_flags_reach_the_engine_and_bad_ones_stop_it(model_dir, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("chat_program", CHAT)
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    args = program.parse_args(["--speculative", "lookup", "--speculative-k", "3"])
+    speculation = program.speculation_settings(args)
+    prompt = "hello world, the quick brown fox hello world, the quick"
+    replies = []
+    for settings in (None, speculation):
+        engine, _ = program.load_engine(model_dir, speculation=settings)
+        with engine:
+            replies.append(engine.generate([prompt], max_tokens=12, temperature=0)[0].text)
+            config = engine.config
+    assert (config.speculative, config.speculative_k) == ("lookup", 3)
+    assert replies[0] == replies[1]
+
+    model = ["--model", str(model_dir)]
+    missing = tmp_path / "none"
+    assert program.main([*model, "--speculative", "draft", "--draft-model", str(missing)]) == 2
+    assert f"--draft-model {missing}: not a model folder" in capsys.readouterr().err
+    assert program.main([*model, "--speculative", "draft"]) == 2
+    assert "needs draft_model" in capsys.readouterr().err

@@ -117,7 +117,7 @@ def test_each_workload_against_a_real_server(tmp_path):
     assert program.problems(results) == []
     runs = results["runs"]
     assert {(r["workload"], r["rate"]) for r in runs} == {
-        (w, rate) for w in ("mixed", "shared") for rate in (40.0, math.inf)
+        (w, rate) for w in ("mixed", "shared", "grounded") for rate in (40.0, math.inf)
     }
     for run in runs:
         acc = run["accounting"]
@@ -132,6 +132,23 @@ def test_each_workload_against_a_real_server(tmp_path):
     assert json.loads((run_dir / "results.json").read_text())["runs"]
     for workload in ("mixed", "shared"):
         assert (run_dir / f"{workload}.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_grounded_requests_end_in_a_span_of_their_document_and_lookup_proposes_it(tmp_path):
+    jobs = make_workload("grounded", Shape(8, 256, 64), 4096, math.inf, seed=1)
+    for job in jobs:
+        tail = job.prompt[-8:]
+        document = job.prompt[: len(job.prompt) - 8]
+        assert any(document[i : i + 8] == tail for i in range(len(document) - 7))
+        assert 16 <= job.output_len <= 64
+    program = load_program()
+    argv = ["--size", "tiny", "--requests", "4", "--prompt-max", "64", "--output-max", "16"]
+    argv += ["--rates", "inf", "--variants", "lookup", "--workloads", "grounded"]
+    results = program.run_bench(program.parse([*argv, "--out", str(tmp_path)]), log=print)
+    assert program.problems(results) == []
+    (run,) = results["runs"]
+    assert run["variant"] == "lookup" and run["figures"]["completed"] == 4
+    assert run["stats_after"]["spec_proposed"] > 0  # the server speculated
 
 
 def test_static_batching_reference_times_every_token(tmp_path):

@@ -40,7 +40,7 @@ from astrai.serve.errors import (
     openai_body,
     openai_status,
 )
-from astrai.serve.metrics import Metrics, count_request, render
+from astrai.serve.metrics import Metrics, count_request, render, speculation_summary
 from astrai.serve.page import page_routes
 from astrai.serve.state import AppState, now
 
@@ -167,18 +167,21 @@ async def health(state: AppState, request: Request) -> Response:
     return json_response({"status": "ok", "model": state.model_name})
 
 
+def engine_stats_of(state: AppState) -> dict:
+    """The engine's stats with the speculative counts' rates (speculation_summary)."""
+    stats = msgspec.structs.asdict(state.engine.stats())
+    return {**stats, **speculation_summary(stats)}
+
+
 async def stats(state: AppState, request: Request) -> Response:
     """The engine's stats, and the ids of the requests being answered (oldest first)."""
     return json_response(
-        {
-            **msgspec.structs.asdict(state.engine.stats()),
-            "open_requests": list(state.metrics.open_requests),
-        }
+        {**engine_stats_of(state), "open_requests": list(state.metrics.open_requests)}
     )
 
 
 async def metrics(state: AppState, request: Request) -> Response:
-    text = render(state.metrics, msgspec.structs.asdict(state.engine.stats()))
+    text = render(state.metrics, engine_stats_of(state))
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

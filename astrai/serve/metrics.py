@@ -84,6 +84,32 @@ def _engine_gauges(stats: dict) -> list[str]:
     return lines
 
 
+# (counter name, engine stat, help): speculative decoding's cumulative counts, which the engine
+# stats hold as plain numbers, as Prometheus counters, whose rate() a dashboard can take
+SPECULATION_COUNTERS = (
+    ("astrai_speculative_proposed_tokens_total", "spec_proposed", "Tokens proposed."),
+    ("astrai_speculative_accepted_tokens_total", "spec_accepted", "Proposed tokens kept."),
+    (
+        "astrai_speculative_verification_steps_total",
+        "spec_steps",
+        "Requests' verifications of a proposal (one per request per engine step).",
+    ),
+)
+
+
+def speculation_summary(stats: dict) -> dict:
+    """What the speculative counts mean: the share of proposed tokens kept, and the tokens a
+    request gains per verification (its kept proposals plus the model's own token); 0 before
+    any verification."""
+    steps, proposed, accepted = (
+        stats.get(k, 0) for k in ("spec_steps", "spec_proposed", "spec_accepted")
+    )
+    return {
+        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_tokens_per_step": (steps + accepted) / steps if steps else 0.0,
+    }
+
+
 def render(metrics: Metrics, stats: dict) -> str:
     lines = _header("astrai_requests_total", "counter", "HTTP requests answered.")
     for (route, status), n in sorted(metrics.requests.items()):
@@ -94,6 +120,8 @@ def render(metrics: Metrics, stats: dict) -> str:
         ("astrai_generation_tokens_total", metrics.completion_tokens, "Tokens generated."),
     ):
         lines += [*_header(name, "counter", help_text), f"{name} {value}"]
+    for name, key, help_text in SPECULATION_COUNTERS:
+        lines += [*_header(name, "counter", help_text), f"{name} {stats.get(key, 0)}"]
     lines += _histogram(
         "astrai_time_to_first_token_seconds",
         "Time from request to first generated token.",

@@ -204,6 +204,36 @@ def grpo_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=N
     return _with_aux(loss, aux_term, metrics)
 
 
+# --- distillation -----------------------------------------------------------------------------
+
+
+def distill_loss(params, cfg, batch, opts, distill, lora=None, checkpoint=False, generator=None):
+    """(1 - ce_weight) x KL(teacher || student) + ce_weight x cross entropy, both the mean over
+    the positions that have a label; batch["teacher_logps"] [B, T, vocab] holds the teacher's
+    log-probabilities at distill.temperature (distill.py adds them)."""
+    ids = batch["input_ids"]
+    labels = batch["labels"] if "labels" in batch else shifted_labels(ids)
+    logits, aux_term = _forward(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+    mask = labels != IGNORE
+    count = mask.sum()
+    teacher = batch["teacher_logps"][mask]
+    student = logits[mask]
+    t = distill.temperature
+    kl_rows = (teacher.exp() * (teacher - F.log_softmax(student / t, dim=-1))).sum(-1)
+    kl = kl_rows.sum() * t * t / count.clamp(min=1)
+    ce = F.cross_entropy(student, labels[mask], reduction="sum") / count.clamp(min=1)
+    loss = (1.0 - distill.ce_weight) * kl + distill.ce_weight * ce
+    agreement = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+    metrics = {
+        "weight": count.float(),
+        "tokens": torch.tensor(float(ids.numel())),
+        "kl": kl.detach(),
+        "ce": ce.detach(),
+        "teacher_agreement": agreement.detach(),
+    }
+    return _with_aux(loss, aux_term, metrics)
+
+
 LOSSES = {"seq": seq_loss, "sft": sft_loss, "dpo": dpo_loss, "grpo": grpo_loss}
 
 

@@ -29,6 +29,7 @@ from astrai.train.checkpoint import (
     remove_partial_checkpoints,
     save_train_state,
 )
+from astrai.train.distill import load_teacher, with_teacher_logps
 from astrai.train.distributed import (
     DistInfo,
     all_reduce_sum_,
@@ -63,6 +64,7 @@ class Run(NamedTuple):
     log: TextIO
     resumed: bool  # the state was read from a checkpoint (which therefore exists already)
     tokenizer: Any = None  # the [eval] tasks' tokenizer; None without tasks
+    teacher: tuple[dict, ModelConfig] | None = None  # the [distill] teacher's params and config
 
 
 # --- starting a run -------------------------------------------------------------------------
@@ -98,10 +100,22 @@ def start_run(
     if needs_reference(train_cfg):
         reference = state.params if state.lora else _frozen_copy(train_cfg, dist, state, ckpt)
     valid = open_batches(train_cfg, state.model_config, dist.rank, dist.world_size, "valid")
+    teacher = None
+    if train_cfg.distill.teacher:
+        teacher = load_teacher(train_cfg.distill, state.model_config, dist.device)
     throughput = Throughput(state.step)
     tokenizer = run_tokenizer(train_cfg, "[eval] tasks") if train_cfg.eval.tasks else None
     run = Run(
-        train_cfg, dist, run_dir, reference, valid, throughput, log, ckpt is not None, tokenizer
+        train_cfg,
+        dist,
+        run_dir,
+        reference,
+        valid,
+        throughput,
+        log,
+        ckpt is not None,
+        tokenizer,
+        teacher,
     )
     if dist.is_main:
         truncate_metrics(run_dir / "metrics.jsonl", state.step)
@@ -172,10 +186,13 @@ def _frozen_copy(train_cfg: TrainConfig, dist: DistInfo, state: TrainState, ckpt
 
 def prepare_batch(batch: dict, state: TrainState, run: Run) -> dict:
     """Move a batch to the device and add the reference model's log-probs when the loss needs
-    them. With LoRA the reference is the frozen base model itself (adapters off)."""
+    them (with LoRA the reference is the frozen base model itself, adapters off), or the
+    [distill] teacher's."""
     batch = {
         k: v.to(run.dist.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
     }
+    if run.teacher is not None:
+        batch = with_teacher_logps(batch, run.teacher, run.train_cfg.distill.temperature)
     if run.reference is None:
         return batch
     cfg, opts = state.model_config, run.train_cfg.loss

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from astrai.config import ModelConfig, TrainConfig
 from astrai.train.compiling import compiled, should_compile
 from astrai.train.distributed import all_reduce_sum_
-from astrai.train.losses import loss_fn, with_advantages
+from astrai.train.losses import distill_loss, loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
 from astrai.train.schedules import lr_at
 from astrai.train.sharded import gathered, is_sharded, local, replicas_of
@@ -52,20 +52,41 @@ def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig):
             else contextlib.nullcontext()
         )
         with ctx:
-            loss, metrics = loss_fn(
-                model_params,
-                model_cfg,
-                batch,
-                train_cfg.kind,
-                train_cfg.loss,
-                lora,
-                checkpoint,
-                generator,
-            )
+            if train_cfg.distill.teacher:
+                loss, metrics = distill_loss(
+                    model_params,
+                    model_cfg,
+                    _with_teacher(batch),
+                    train_cfg.loss,
+                    train_cfg.distill,
+                    lora,
+                    checkpoint,
+                    generator,
+                )
+            else:
+                loss, metrics = loss_fn(
+                    model_params,
+                    model_cfg,
+                    batch,
+                    train_cfg.kind,
+                    train_cfg.loss,
+                    lora,
+                    checkpoint,
+                    generator,
+                )
         loss = loss.float()
         return loss * metrics["weight"], (loss.detach(), metrics)
 
     return objective
+
+
+def _with_teacher(batch: dict) -> dict:
+    if "teacher_logps" not in batch:
+        raise ValueError(
+            "a [distill] run's batches need the teacher's log-probs, batch['teacher_logps']:"
+            " add them with astrai.train.distill.with_teacher_logps"
+        )
+    return batch
 
 
 def _autograd_grad_and_value(objective):

@@ -32,16 +32,19 @@ def _answer(process: subprocess.Popen) -> dict:
 
 
 class SideProcess:
-    """A side worker's pipe: `generate(prompts, n)` -> its greedy completions."""
+    """A side worker's pipe: `generate(prompts, n)` -> its greedy completions; `counts`, the
+    engine's cumulative speculative counts after the last call."""
 
     def __init__(self, process: subprocess.Popen, facts: dict):
-        self.process, self.facts = process, facts
+        self.process, self.facts, self.counts = process, facts, {}
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         request = {"prompts": prompts, "new_tokens": new_tokens}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return _answer(self.process)["tokens"]
+        answer = _answer(self.process)
+        self.counts = answer.get("counts", {})
+        return answer["tokens"]
 
 
 @contextlib.contextmanager

@@ -20,9 +20,12 @@ from .models import Workload
 PAGE_SIZE = 16
 
 
-def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype, quantize=None):
+def make_engine(
+    params, cfg: ModelConfig, tokenizer, work: Workload, device, dtype, quantize=None, **settings
+):
     """An Engine sized for the workload: room for the largest batch of full sequences, so no
-    request waits for pages and nothing is preempted."""
+    request waits for pages and nothing is preempted. settings: more EngineConfig fields
+    (speculative, draft_model, ...)."""
     from astrai.infer import Engine
 
     max_batch = max((*work.concurrency, work.clients, 1))
@@ -38,6 +41,7 @@ def make_engine(params, cfg: ModelConfig, tokenizer, work: Workload, device, dty
         device=device,
         dtype=dtype,
         quantize=quantize,
+        **settings,
     )
 
 

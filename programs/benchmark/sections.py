@@ -711,6 +711,13 @@ def isolated(b: Bench) -> None:
     b.rows.append(_compared(b, "isolated", label, "tok/s", rates, pair, choices, "loop", 0.95))
 
 
+def speculation(b: Bench) -> None:
+    """The Engine with speculative decoding against the Engine without (speculating.py)."""
+    from .speculating import speculation as measure_speculation
+
+    measure_speculation(b)
+
+
 def window(b: Bench) -> None:
     """KV pages of a window-only model at 8k tokens against its window (window.py)."""
     from .window import window_memory
@@ -736,6 +743,7 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "structured": structured,
     "serve": serve,
     "isolated": isolated,
+    "speculation": speculation,
     "window": window,
     "adapters": adapters,
 }

@@ -4,9 +4,10 @@ no side pays for another's OpenMP team (docs/inference.md, "One compute thread")
     python programs/benchmark/side_worker.py SPEC_JSON
 
 SPEC_JSON: {"side": "engine" | "loop" | "transformers", "folder", "device", "dtype",
-"quantize", "workload": {Workload fields}}. The worker prints {"ready": true, "facts": {...}},
-then answers each request line ({"prompts": [[ids]], "new_tokens": n}) with one line
-({"tokens": [[ids]]}): greedy completions of exactly n tokens.
+"quantize", "workload": {Workload fields}, "settings": {more EngineConfig fields, engine only}}.
+The worker prints {"ready": true, "facts": {...}}, then answers each request line
+({"prompts": [[ids]], "new_tokens": n}) with one line ({"tokens": [[ids]], "counts": {...}}):
+greedy completions of exactly n tokens, and for the engine its cumulative speculative counts.
 """
 
 from __future__ import annotations
@@ -46,19 +47,28 @@ def load_side(spec: dict) -> tuple[Generate, dict]:
         # the weights are read on the engine's thread, as Engine.from_pretrained does
         load = lambda: astrai.load_pretrained(folder, dtype=dtype, device=device)[0]  # noqa: E731
         tokenizer = bench_tokenizer(cfg.vocab_size)
-        engine = ours.make_engine(load, cfg, tokenizer, work, device, dtype, spec["quantize"])
+        settings = spec.get("settings", {})
+        engine = ours.make_engine(
+            load, cfg, tokenizer, work, device, dtype, spec["quantize"], **settings
+        )
         generate = lambda prompts, n: ours.engine_generate(engine, prompts, n)  # noqa: E731
-        return generate, {"kernels": engine.kernels}
+        return generate, {"kernels": engine.kernels, "counts": lambda: spec_counts(engine)}
     raise ValueError(f"unknown side {side!r}")
+
+
+def spec_counts(engine) -> dict:
+    stats = engine.stats()
+    return {k: getattr(stats, k) for k in ("spec_steps", "spec_proposed", "spec_accepted")}
 
 
 def main(spec_json: str) -> None:
     generate, facts = load_side(json.loads(spec_json))
+    counts = facts.pop("counts", dict)
     print(json.dumps({"ready": True, "facts": facts}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         tokens = generate(request["prompts"], request["new_tokens"])
-        print(json.dumps({"tokens": tokens}), flush=True)
+        print(json.dumps({"tokens": tokens, "counts": counts()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ about this shape: medians in the low hundreds, a tail an order of magnitude long
 shared: a 1,000-token system prompt shared by every request plus a distinct 16-64 token
 question, 32 output tokens: an assistant behind one long instruction.
 
+grounded: a document (log-normal length, median a quarter of the clip) and a short request
+to quote, summarise or edit it that repeats a span of it; the output (half the document's
+length, at most the output clip) is meant to copy from the prompt, as summaries, quotes and
+code edits do, which is where prompt lookup (`--speculative lookup`) pays. On a model that
+was not trained to copy, the lookup's proposals are rarely kept: what is measured then is the
+cost of proposing.
+
 Arrivals: a Poisson process at `rate` requests/s (exponential gaps), or all at time 0 when
 the rate is infinite. The same seed gives the same requests and arrival times.
 """
@@ -19,7 +26,7 @@ import math
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("mixed", "shared")
+WORKLOADS = ("mixed", "shared", "grounded")
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,11 @@ class Shape:
     output_max: int
 
 
-DEFAULT_SHAPES = {"mixed": Shape(256, 1024, 512), "shared": Shape(64, 1000, 32)}
+DEFAULT_SHAPES = {
+    "mixed": Shape(256, 1024, 512),
+    "shared": Shape(64, 1000, 32),
+    "grounded": Shape(64, 1024, 256),
+}
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,14 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+def _grounded_prompt(rng: random.Random, doc_len: int, vocab: int) -> list[int]:
+    """A document, then a request (8-16 tokens of its own) ending in the span of the document
+    the answer starts from."""
+    doc = _tokens(rng, doc_len, vocab)
+    start = rng.randrange(doc_len // 2)
+    return doc + _tokens(rng, rng.randint(8, 16), vocab) + doc[start : start + 8]
+
+
 def make_workload(name: str, shape: Shape, vocab: int, rate: float, seed: int = 0) -> list[Job]:
     """The jobs of workload `name`. Lengths and prompts depend on the seed only; arrival
     times on the seed and the rate, so every rate serves the very same requests."""
@@ -82,6 +101,10 @@ def make_workload(name: str, shape: Shape, vocab: int, rate: float, seed: int = 
         system = _tokens(rng, shape.prompt_max, vocab)
         prompts = [system + _tokens(rng, rng.randint(16, 64), vocab) for _ in range(n)]
         output_lens = [shape.output_max] * n
+    elif name == "grounded":
+        doc_lens = lognormal_lengths(rng, n, shape.prompt_max / 4, 0.6, 32, shape.prompt_max)
+        prompts = [_grounded_prompt(rng, k, vocab) for k in doc_lens]
+        output_lens = [max(16, min(shape.output_max, k // 2)) for k in doc_lens]
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     times = arrivals(random.Random(f"{seed}-{rate}"), n, rate)

@@ -114,6 +114,19 @@ def test_generate_program(tmp_path, monkeypatch, capsys, tokenizer):
     assert exit_info.value.code == 0
 
 
+def test_generate_program_names_a_bad_draft_flag(tmp_path, monkeypatch, capsys, tokenizer):
+    cfg = ai.ModelConfig(**{**BASE, "vocab_size": tokenizer.vocab_size})
+    ai.save_pretrained(tmp_path / "model", ai.init_params(cfg), cfg, tokenizer=tokenizer)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n')
+    model = ["--model", str(tmp_path / "model"), "--input", str(prompts), "--quiet"]
+    assert run_program(monkeypatch, *model, "--draft-model", str(tmp_path / "model")) == 1
+    assert "only used with speculative" in capsys.readouterr().err
+    missing = str(tmp_path / "missing")
+    assert run_program(monkeypatch, *model, "--speculative", "draft", "--draft-model", missing) == 1
+    assert f"--draft-model {missing}: not a model folder" in capsys.readouterr().err
+
+
 def test_docs_speculative_example_runs():
     text = (ROOT / "docs" / "inference.md").read_text()
     block = re.search(r"## Speculative decoding.*?```python\n(.*?)```", text, re.S).group(1)

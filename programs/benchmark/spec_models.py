@@ -1,0 +1,144 @@
+"""The speculation section's models and traffic: a target trained so that proposals can be
+accepted, and a draft distilled from it, both written once under <out>/models and reused.
+
+The target learns two things at once, row by row: copying (speculation.py's task: a document,
+SEP, the document again, the loss on the copy) and "chat": text from a fixed random Markov
+chain over the vocabulary, whose next token it can predict from the last one but which never
+repeats the prompt. Grounded traffic (quoting the document) is where prompt lookup pays;
+chat-like traffic (continuing chain text) is where only a draft can guess. The draft, a
+quarter of the target's width and half its depth, is distilled from it (astrai/train/distill.py's
+`distill_loss`) on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import astrai as ai
+from astrai.train.distill import with_teacher_logps
+
+from .models import COMMON, SIZES
+from .speculation import DOC, IGNORE, QUOTE, SEP, VOCAB, copy_batch
+
+ROW = DOC + 1 + QUOTE  # tokens per training row, copy or chain
+SUCCESSORS = 4  # each token's possible next tokens in the chain; the first is the likeliest
+SPEC_FILE = "bench-spec.json"
+
+
+def chain_table(vocab: int, seed: int = 5) -> torch.Tensor:
+    """[vocab, SUCCESSORS] next tokens of the Markov chain (ids 2 and up: 0 and SEP stay out)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (vocab, SUCCESSORS), generator=generator)
+
+
+def chain_text(table: torch.Tensor, rows: int, length: int, generator) -> torch.Tensor:
+    """rows x length tokens of the chain: the first successor half of the time, else another."""
+    out = torch.empty(rows, length, dtype=torch.long)
+    out[:, 0] = torch.randint(2, table.shape[0], (rows,), generator=generator)
+    for t in range(1, length):
+        pick = torch.where(
+            torch.rand(rows, generator=generator) < 0.5,
+            torch.zeros(rows, dtype=torch.long),
+            torch.randint(1, SUCCESSORS, (rows,), generator=generator),
+        )
+        out[:, t] = table[out[:, t - 1], pick]
+    return out
+
+
+def mixed_batch(table: torch.Tensor, batch: int, generator) -> dict:
+    """Half copy rows (the loss on the copy), half chain rows (the loss everywhere)."""
+    copies = copy_batch(table.shape[0], batch // 2, generator)
+    chain = chain_text(table, batch - batch // 2, ROW, generator)
+    labels = torch.full_like(chain, IGNORE)
+    labels[:, :-1] = chain[:, 1:]
+    return {
+        "input_ids": torch.cat([copies["input_ids"], chain]),
+        "labels": torch.cat([copies["labels"], labels]),
+    }
+
+
+def _configs(shape: str) -> tuple[ai.ModelConfig, ai.ModelConfig]:
+    common = {k: v for k, v in COMMON.items() if k != "model_type"}  # ours, not Llama's file
+    target = ai.ModelConfig(**{**common, **SIZES[shape], "vocab_size": VOCAB})
+    draft = ai.ModelConfig(
+        **{
+            **common,
+            **SIZES[shape],
+            "vocab_size": VOCAB,
+            "hidden_size": max(32, target.hidden_size // 4),
+            "intermediate_size": max(64, target.intermediate_size // 4),
+            "num_hidden_layers": max(1, target.num_hidden_layers // 2),
+        }
+    )
+    return target, draft
+
+
+def _train(cfg, steps: int, table, teacher: Path | None = None) -> dict:
+    """steps of AdamW on mixed batches; with a teacher folder, distilled from it ([distill])."""
+    distill = ai.config.DistillConfig(teacher=str(teacher) if teacher else "")
+    train_cfg = ai.TrainConfig(
+        model=cfg,
+        max_steps=steps,
+        batch_size=16,
+        optimizer=ai.config.OptimizerConfig(lr=2e-3, weight_decay=0.0),
+        schedule=ai.config.ScheduleConfig(warmup_steps=max(1, steps // 10)),
+        progress=False,
+        compile=False,
+        distill=distill,
+    )
+    state = ai.init_train_state(ai.init_params(cfg, seed=0), train_cfg)
+    generator = torch.Generator().manual_seed(0)
+    model = ai.load_pretrained(teacher) if teacher else None
+    for _ in range(steps):
+        batch = mixed_batch(table, 16, generator)
+        if model is not None:
+            batch = with_teacher_logps(batch, model, distill.temperature)
+        state, _ = ai.train_step(state, batch)
+    return state.params
+
+
+def spec_models(root: Path, shape: str, steps: int) -> tuple[Path, Path]:
+    """(target folder, draft folder) under root (the benchmark's models folder), trained once
+    for (shape, steps)."""
+    folder = root / f"spec-{shape}-{steps}"
+    spec = {"shape": SIZES[shape], "steps": steps, "row": ROW, "vocab": VOCAB}
+    target, draft = folder / "target", folder / "draft"
+    try:
+        if json.loads((folder / SPEC_FILE).read_text()) == spec:
+            return target, draft
+    except (OSError, ValueError):
+        pass
+    table = chain_table(VOCAB)
+    target_cfg, draft_cfg = _configs(shape)
+    target_params = _train(target_cfg, steps, table)
+    ai.save_pretrained(target, target_params, target_cfg)
+    ai.save_pretrained(draft, _train(draft_cfg, steps, table, teacher=target), draft_cfg)
+    (folder / SPEC_FILE).write_text(json.dumps(spec))
+    return target, draft
+
+
+def grounded_prompts(count: int, new_tokens: int, seed: int = 1) -> list[list[int]]:
+    """A document, SEP and the start of its quote: the model goes on quoting."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        doc = torch.randint(2, VOCAB, (DOC,), generator=generator).tolist()
+        copied = int(torch.randint(1, max(2, QUOTE - new_tokens), (), generator=generator))
+        out.append([*doc, SEP, *doc[:copied]])
+    return out
+
+
+def chat_prompts(count: int, length: int, seed: int = 2) -> list[list[int]]:
+    """Chain text: the continuation is predictable from the last token, and not in the prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    return chain_text(chain_table(VOCAB), count, length, generator).tolist()
+
+
+def random_prompts(count: int, length: int, seed: int = 3) -> list[list[int]]:
+    """Uniform random tokens: neither the prompt nor the chain says what comes next, so
+    proposals are rarely kept (the traffic where speculation must back off)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (count, length), generator=generator).tolist()

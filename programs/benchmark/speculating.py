@@ -1,0 +1,175 @@
+"""The speculation section: the Engine with speculative decoding against the same Engine
+without, each in a process of its own (isolated.py), rounds alternating, on a model trained so
+that proposals can be accepted (spec_models.py):
+
+- prompt lookup at batch 1 on grounded traffic (quoting a document given in the prompt);
+- a distilled draft at batch 1 on chat-like traffic (text the prompt does not hold);
+- prompt lookup at batch 1 and at 16 concurrent on random traffic, where proposals are rarely
+  kept: what the engine's adaptation (pausing rows that fail, verifying only when it pays)
+  leaves of the cost;
+- prompt lookup at 16 concurrent on grounded traffic.
+
+Each row prints the acceptance rate (kept / proposed tokens) and the tokens a request gains
+per verification beside the ratio; both sides must do the same work (verify.same_work) and
+their greedy agreement is shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .models import Workload
+from .report import compare
+from .spec_models import chat_prompts, grounded_prompts, random_prompts, spec_models
+from .speculation import DOC, QUOTE
+from .verify import agreement, generated, same_work
+
+K = 4
+CONCURRENT = 16
+
+
+def _spec(b, folder, work: Workload, settings: dict) -> dict:
+    return {
+        "side": "engine",
+        "folder": str(folder),
+        "device": str(b.device),
+        "dtype": str(b.dtype).removeprefix("torch."),
+        "quantize": b.quantize,
+        "workload": dataclasses.asdict(work),
+        "settings": settings,
+    }
+
+
+def _rates_and_counts(b, processes, names, batches, n) -> tuple[dict, dict, dict]:
+    """Interleaved rounds of the named sides on batches[1:] (batches[0] warms up) -> (rates,
+    outputs, {name: counts during the measured rounds})."""
+    calls: dict[str, Callable] = {
+        name: (lambda batch, p=processes[name]: p.generate(batch, n)) for name in names
+    }
+    for call in calls.values():
+        call(batches[0])
+    before = {name: dict(processes[name].counts) for name in names}
+    outputs: dict = {}
+    rates = b.measure(calls, batches, n * len(batches[1]), outputs, warm_up=False)
+    counts = {
+        name: {k: v - before[name].get(k, 0) for k, v in processes[name].counts.items()}
+        for name in names
+    }
+    return rates, outputs, counts
+
+
+def _row(b, label, pair, rates, outputs, counts, batches) -> dict:
+    spec, plain = pair
+    c = counts[spec]
+    acceptance = c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else 0.0
+    per_step = (c["spec_steps"] + c["spec_accepted"]) / c["spec_steps"] if c["spec_steps"] else 1.0
+    name = f"{label} (acceptance {acceptance:.2f}, {per_step:.2f} tokens/verification)"
+    row = compare("speculation", name, "tok/s", rates[spec], rates[plain], "no speculation")
+    choices = {
+        side: [
+            generated(prompt, out)
+            for r, outs in sorted(outputs[side].items())
+            for prompt, out in zip(batches[r + 1], outs)
+        ]
+        for side in pair
+    }
+    row |= same_work(pair, choices[spec], choices[plain])
+    row |= {
+        "sides": list(pair),
+        "agreement": agreement(choices[spec], choices[plain]),
+        "acceptance": acceptance,
+        "tokens_per_verification": per_step,
+        "counts": c,
+    }
+    b.log(f"speculation: {name}: {row['ratio']:.2f}x, agreement {row['agreement']:.2f}")
+    return row
+
+
+def speculation(b) -> None:
+    from .isolated import side_processes
+
+    quick = b.work.new_tokens < 64
+    n = 16 if quick else 24  # within the quotes the model learned (QUOTE tokens)
+    steps = 20 if quick else 300
+    per_round = 1 if quick else 4  # batch-1 requests per round, one after another
+    target, draft = spec_models(b.folder.parent, b.size, steps)
+    work = dataclasses.replace(
+        b.work, prompt_len=DOC + QUOTE + K + 1, new_tokens=n, concurrency=(CONCURRENT,)
+    )
+    b.log(f"speculation: models trained {steps} steps: {target.parent}")
+    specs = {
+        "plain": _spec(b, target, work, {}),
+        "lookup": _spec(b, target, work, {"speculative": "lookup", "speculative_k": K}),
+        "draft": _spec(
+            b, target, work, {"speculative": "draft", "draft_model": str(draft), "speculative_k": K}
+        ),
+    }
+    rounds = b.work.rounds + 1
+
+    def one_by_one(prompts):  # per_round prompts for each round
+        return [prompts[i : i + per_round] for i in range(0, rounds * per_round, per_round)]
+
+    grounded = grounded_prompts(rounds * max(per_round, CONCURRENT), n)
+    cases = [
+        ("lookup", f"lookup k={K} vs none, batch 1, grounded", one_by_one(grounded), True),
+        (
+            "draft",
+            f"draft k={K} vs none, batch 1, chat-like",
+            one_by_one(chat_prompts(rounds * per_round, 32)),
+            True,
+        ),
+        (
+            "lookup",
+            f"lookup k={K} vs none, batch 1, rarely accepted (random)",
+            one_by_one(random_prompts(rounds * per_round, 32)),
+            True,
+        ),
+        (
+            "lookup",
+            f"lookup k={K} vs none, {CONCURRENT} concurrent, rarely accepted (random)",
+            _groups(random_prompts(rounds * CONCURRENT, 32, seed=4), rounds),
+            False,
+        ),
+        (
+            "lookup",
+            f"lookup k={K} vs none, {CONCURRENT} concurrent, grounded",
+            _groups(grounded, rounds),
+            False,
+        ),
+    ]
+    with side_processes(specs, torch.get_num_threads()) as processes:
+        for spec_side, label, batches, one_at_a_time in cases:
+            pair = (spec_side, "plain")
+            if one_at_a_time:  # batch 1: each request alone, one after another
+                batches = [[[p] for p in batch] for batch in batches]
+                rates, outputs, counts = _batch1(b, processes, pair, batches, n)
+                batches = [[p[0] for p in batch] for batch in batches]
+            else:
+                rates, outputs, counts = _rates_and_counts(b, processes, pair, batches, n)
+            b.rows.append(_row(b, label, pair, rates, outputs, counts, batches))
+
+
+def _groups(prompts: list[list[int]], rounds: int) -> list[list[list[int]]]:
+    size = len(prompts) // rounds
+    return [prompts[i * size : (i + 1) * size] for i in range(rounds)]
+
+
+def _batch1(b, processes, pair, batches, n):
+    """Like _rates_and_counts, each request of a round sent alone after the previous one."""
+
+    class OneByOne:
+        def __init__(self, process):
+            self.process = process
+
+        @property
+        def counts(self):
+            return self.process.counts
+
+        def generate(self, requests, new_tokens):
+            return [self.process.generate(r, new_tokens)[0] for r in requests]
+
+    wrapped = {name: OneByOne(processes[name]) for name in pair}
+    return _rates_and_counts(b, wrapped, pair, batches, n)
