@@ -25,11 +25,31 @@ _NOTED: set[str] = set()  # "compile = auto" reasons already printed: one line p
 
 
 def inductor_cache_dir() -> Path:
-    """Where inductor keeps compiled graphs and kernels between runs: TORCHINDUCTOR_CACHE_DIR,
-    which torch fills in with its default (/tmp/torchinductor_$USER) when importing inductor."""
+    """Where inductor keeps compiled graphs and kernels between runs: TORCHINDUCTOR_CACHE_DIR
+    (`use_user_cache_dir` points it at the user's cache unless the user chose one)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir())
+
+
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/astrai/inductor, or ~/.cache/astrai/inductor."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "astrai" / "inductor"
+
+
+def use_user_cache_dir() -> None:
+    """Keep inductor's caches (FX graphs, AOTAutograd graphs, C++ kernels) under the user's
+    cache folder rather than torch's default in /tmp, which many machines empty on reboot:
+    a second `just train` of the same model then reads its compiled step instead of paying
+    the compile again. A TORCHINDUCTOR_CACHE_DIR the user set is left as it is; torch writes
+    its /tmp default into the variable as soon as inductor is imported, so that value counts
+    as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir())
 
 
 def compiler_missing(device: torch.device) -> str | None:
@@ -66,6 +86,29 @@ def should_compile(train_cfg: TrainConfig, device: torch.device) -> bool:
     return True
 
 
+def cache_counts() -> dict[str, int]:
+    """Inductor's and AOTAutograd's cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "hit": counters["inductor"]["fxgraph_cache_hit"]
+        + counters["aot_autograd"]["autograd_cache_hit"],
+        "miss": counters["inductor"]["fxgraph_cache_miss"]
+        + counters["aot_autograd"]["autograd_cache_miss"],
+    }
+
+
+def cache_outcome(before: dict[str, int]) -> str:
+    """What the caches did since `before`: whether the compile was read back or built."""
+    now = cache_counts()
+    hits, misses = now["hit"] - before["hit"], now["miss"] - before["miss"]
+    if hits and not misses:
+        return "read from the cache"
+    if misses:
+        return "built and cached" if not hits else "partly read from the cache"
+    return "caches off"
+
+
 def _note(line: str) -> None:
     if line not in _NOTED:
         _NOTED.add(line)
@@ -75,6 +118,7 @@ def _note(line: str) -> None:
 def compiled(fn, what: str = "the gradient function"):
     """torch.compile(fn), falling back to eager (with one clear message) if compiling fails;
     the first call, which compiles (or reads the cache), is timed and reported."""
+    use_user_cache_dir()
     # fullgraph: a graph break inside a torch.func transform would silently run it all eagerly;
     # failing loudly leads to the message below instead.
     traced = torch.compile(fn, dynamic=False, fullgraph=True)
@@ -83,7 +127,7 @@ def compiled(fn, what: str = "the gradient function"):
     def run(*args):
         nonlocal use_eager, first
         if not use_eager:
-            started = time.perf_counter()
+            started, hits_before = time.perf_counter(), cache_counts()
             try:
                 # RoPE reads the largest position as a Python int; let it stay in the graph.
                 with torch._dynamo.config.patch(capture_scalar_outputs=True):
@@ -101,7 +145,7 @@ def compiled(fn, what: str = "the gradient function"):
                     seconds = time.perf_counter() - started
                     print(
                         f"astrai: compiled {what} in {seconds:.1f} s "
-                        f"(cached in {inductor_cache_dir()})",
+                        f"({cache_outcome(hits_before)}; cache in {inductor_cache_dir()})",
                         file=sys.stderr,
                         flush=True,
                     )

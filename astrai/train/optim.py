@@ -2,9 +2,12 @@
 
 `init(params) -> opt_state` builds the state, a NamedTuple of the steps taken (`count`) and
 moment trees like the params (`AdamState`, `MomentumState`); `update(params, grads, opt_state,
-lr) -> (params, opt_state)` applies one step. Parameters and moments are donated: they are
-updated in place (one `torch._foreach_*` kernel per operation over all tensors, not a Python
-loop of small kernels) and returned; the caller must not keep using the old ones.
+lr, grad_scale=1.0) -> (params, opt_state)` applies one step with the gradients times
+`grad_scale` (the step's averaging and clipping factor: the fused AdamW kernel applies it as it
+reads each gradient, which saves a pass over all of them). Parameters and moments are donated:
+they are updated in place (one `torch._foreach_*` kernel per operation over all tensors, not a
+Python loop of small kernels) and returned; the caller must not keep using the old ones. With a
+`grad_scale` other than 1 the gradients are donated as well (they may be scaled in place).
 
 Weight decay is decoupled (AdamW style) for every optimizer: `p <- p * (1 - lr * wd)` on the
 tensors the decay mask selects.
@@ -42,7 +45,7 @@ OptState = AdamState | MomentumState
 
 class Optimizer(NamedTuple):
     init: Callable[[Tree], OptState]
-    update: Callable[[Tree, Tree, OptState, float], tuple[Tree, OptState]]
+    update: Callable[..., tuple[Tree, OptState]]  # (params, grads, state, lr, grad_scale=1.0)
 
 
 def moments(state: OptState) -> dict[str, Tree]:
@@ -121,13 +124,18 @@ def adamw(
     def init(params: Tree) -> AdamState:
         return AdamState(0, tree_map(torch.zeros_like, params), tree_map(torch.zeros_like, params))
 
-    def update(params: Tree, grads: Tree, state: AdamState, lr: float) -> tuple[Tree, AdamState]:
+    def update(
+        params: Tree, grads: Tree, state: AdamState, lr: float, grad_scale: float = 1.0
+    ) -> tuple[Tree, AdamState]:
         p = tree_flatten(params)[0]
         g, m, v = (leaves_like(t, params) for t in (grads, state.m, state.v))
         count = state.count + 1
         decays = _mask_leaves(params, mask)
-        step = _fused_adamw if fused and p and fused_adamw_available(p[0].device) else _adamw
-        step(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
+        if fused and p and fused_adamw_available(p[0].device):
+            _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay, grad_scale)
+        else:
+            _scale(g, grad_scale)
+            _adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
         return params, state._replace(count=count)
 
     return Optimizer(init, update)
@@ -150,7 +158,15 @@ def _adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay) -> No
     torch._foreach_addcdiv_(p, m, denom, -lr / (1.0 - beta1**count))
 
 
-def _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay) -> None:
+def _scale(grads: list, grad_scale: float) -> None:
+    if grad_scale != 1.0:
+        torch._foreach_mul_(grads, grad_scale)
+
+
+def _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay, grad_scale):
+    # The kernel divides each gradient by its grad_scale tensor (it is made for unscaling AMP
+    # gradients) as it reads it, in the same pass as the moments and the update.
+    divisor = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=p[0].device)
     for wd, keep in ((weight_decay, True), (0.0, False)):
         group = [i for i, d in enumerate(decays) if d == keep]
         if not group:
@@ -170,6 +186,7 @@ def _fused_adamw(p, g, m, v, decays, count, lr, beta1, beta2, eps, weight_decay)
             eps=eps,
             amsgrad=False,
             maximize=False,
+            grad_scale=divisor,
         )
 
 
@@ -181,8 +198,9 @@ def sgd(
 ) -> Optimizer:
     """SGD with heavy-ball (or Nesterov) momentum: buf <- momentum * buf + g; p <- p - lr * buf."""
 
-    def update(params: Tree, grads: Tree, state: MomentumState, lr: float):
+    def update(params: Tree, grads: Tree, state: MomentumState, lr: float, grad_scale=1.0):
         p, g, buf = _decayed_leaves(params, grads, state, mask, lr, weight_decay)
+        _scale(g, grad_scale)
         if momentum:
             torch._foreach_mul_(buf, momentum)
             torch._foreach_add_(buf, g)
@@ -206,8 +224,9 @@ def lion(
     Its steps have unit size per coordinate, so it wants a learning rate 3-10x below AdamW's.
     """
 
-    def update(params: Tree, grads: Tree, state: MomentumState, lr: float):
+    def update(params: Tree, grads: Tree, state: MomentumState, lr: float, grad_scale=1.0):
         p, g, m = _decayed_leaves(params, grads, state, mask, lr, weight_decay)
+        _scale(g, grad_scale)
         direction = torch._foreach_lerp(m, g, 1.0 - beta1)
         torch._foreach_sign_(direction)
         torch._foreach_add_(p, direction, alpha=-lr)

@@ -224,13 +224,15 @@ def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState,
     if not (math.isfinite(norm_value) and math.isfinite(metrics["loss"])):
         new = _skip(stepped, train_cfg.max_bad_steps)
         return new, {**metrics, "skipped": new.skipped, "step_skipped": True}
-    # Divide by the total weight and clip in one pass over the gradients.
+    # Dividing by the total weight and clipping are one factor, which the optimizer applies as
+    # it reads the gradients (inside the fused AdamW kernel: no extra pass over them).
     max_norm = train_cfg.optimizer.max_grad_norm
     clip = max_norm / (norm_value + 1e-6) if max_norm and norm_value > max_norm else 1.0
-    torch._foreach_mul_(grads, clip / w)
     optimizer = make_optimizer(train_cfg.optimizer, state.trainable)
     grads = tree_unflatten(grads, spec)
-    trainable, opt = optimizer.update(local(state.trainable), grads, local(state.opt), lr)
+    trainable, opt = optimizer.update(
+        local(state.trainable), grads, local(state.opt), lr, grad_scale=clip / w
+    )
     if copies:  # the shards were updated in place; keep their DTensors
         trainable, opt = state.trainable, state.opt._replace(count=opt.count)
     if state.lora is None:

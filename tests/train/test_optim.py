@@ -107,6 +107,44 @@ def test_fused_adamw_without_the_private_op_runs_the_foreach_path(monkeypatch):
     assert all(torch.equal(fallback[k], foreach[k]) for k in params)
 
 
+def _run_scaled(params, optimizer, steps, lrs, scale, by_optimizer):
+    """(params, moments) of _our_run with every gradient times scale: given to the optimizer
+    as grad_scale, or multiplied in beforehand."""
+    params = {k: v.clone() for k, v in params.items()}
+    state = optimizer.init(params)
+    for step in range(steps):
+        grads = _grads(params, step)
+        if by_optimizer:
+            params, state = optimizer.update(params, grads, state, lrs[step], grad_scale=scale)
+        else:
+            grads = {k: g * scale for k, g in grads.items()}
+            params, state = optimizer.update(params, grads, state, lrs[step])
+    return params, moments(state)
+
+
+@pytest.mark.parametrize("name", ["adamw", "fused_adamw", "sgd", "lion"])
+def test_grad_scale_is_the_same_as_scaling_the_gradients_first(name):
+    """train_step hands its averaging and clipping factor to the optimizer (the fused kernel
+    applies it as it reads each gradient): the same update as gradients scaled beforehand."""
+    params, mask, scale = _params(), decay_mask(_params()), 0.37
+    make = {
+        "adamw": lambda: adamw(0.9, 0.99, 1e-8, 0.1, mask),
+        "fused_adamw": lambda: adamw(0.9, 0.99, 1e-8, 0.1, mask, fused=True),
+        "sgd": lambda: sgd(0.9, weight_decay=0.1, mask=mask),
+        "lion": lambda: lion(0.9, 0.99, 0.1, mask),
+    }[name]
+    given, given_moments = _run_scaled(params, make(), 3, LRS, scale, by_optimizer=True)
+    first, first_moments = _run_scaled(params, make(), 3, LRS, scale, by_optimizer=False)
+    # Adam's step hardly changes with the gradients' scale; its moments show whether it was used.
+    pairs = [(given, first)] + [(given_moments[n], first_moments[n]) for n in given_moments]
+    for a, b in pairs:
+        for k in params:
+            if name == "fused_adamw":  # the kernel divides by 1 / scale: a rounding more a step
+                assert_close(a[k], b[k], PER_STEP * 3)
+            else:  # the same foreach multiply, so bit for bit
+                assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_matches_torch(nesterov):
     params = _params()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from numerics import approx, assert_close, gradient_roundings
@@ -188,6 +190,23 @@ def test_compile_auto_compiles_only_long_runs_with_a_compiler(monkeypatch, capsy
     assert err.count("no C++ compiler") == 1 and "eager mode" in err  # said once
     monkeypatch.setattr(compiling.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert should_compile(long_run, cpu)
+
+
+def test_compiled_graphs_are_cached_in_the_users_cache_not_tmp(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    mine = str(tmp_path / "cache" / "astrai" / "inductor")
+    for unset in (None, default_cache_dir()):  # torch writes its /tmp default when imported
+        if unset is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", unset)
+        compiling.use_user_cache_dir()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    compiling.use_user_cache_dir()  # the user's own choice stays
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "chosen")
 
 
 @pytest.mark.skipif(compiler_missing(torch.device("cpu")) is not None, reason="no C++ compiler")
