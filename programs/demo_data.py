@@ -2,7 +2,7 @@
 
 Deterministic for a seed. Writes, into the output folder:
   pretrain.jsonl  {"text": ...}                  plain text for pretraining: dialogues, and drills
-                                                 of bare equations that teach the arithmetic
+                                                 of bare questions and worked answers
   sft.jsonl       {"messages": [...]}            chat records for supervised fine-tuning
   grpo.jsonl      {"prompt": ..., "answer": ...} prompts with a reference answer for GRPO
   eval.jsonl      {"prompt": ..., "answer": ...} held-out problems that never appear above
@@ -123,7 +123,7 @@ def generate(out: Path, seed: int = 0, records: int = 20000, eval_count: int = 2
         while len(drill) < 2:
             p = problem(rng, max_value)
             if p not in excluded:
-                drill.append(answer(*p))
+                drill.append(f"{question(rng, *p)}\n{answer(*p)}")
         write("pretrain", {"text": "\n".join(drill)})
     for p in held_out:
         user = question(rng, *p)

@@ -1,5 +1,6 @@
 """The demo pipeline end to end at a tiny size: data -> tokenizer -> pretrain -> SFT -> serve."""
 
+import itertools
 import json
 import re
 import socket
@@ -45,6 +46,23 @@ def test_demo_data_is_deterministic_and_holds_out_the_evaluation(tmp_path):
     training = "".join((tmp_path / "a" / f"{n}.jsonl").read_text() for n in ("pretrain", "sft"))
     assert len(held_out) == 50
     assert not held_out & set(re.findall(r"\d+ [+-] \d+ = \d+", training))
+
+
+def test_every_pretraining_answer_follows_a_question_naming_its_operands(tmp_path):
+    # the model must learn to find the operands in the question, not only to add columns
+    sys.path.insert(0, str(ROOT / "programs"))
+    import demo_data
+
+    demo_data.generate(tmp_path, seed=1, records=200, eval_count=20)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "pretrain.jsonl").open()]
+    answers = 0
+    for text in texts:
+        lines = text.splitlines()
+        for before, line in itertools.pairwise(lines):
+            if (worked := re.search(r"so (\d+) [+-] (\d+) = \d+$", line)) is not None:
+                answers += 1
+                assert set(worked.groups()) <= set(re.findall(r"\d+", before)), (before, line)
+    assert answers == 200 * 9 // 10 + 2 * 200  # the dialogues' problems and two per drill
 
 
 @pytest.mark.slow
