@@ -5,9 +5,10 @@
 Our code and transformers run side by side on the same weights and inputs, in alternating
 rounds, and the table reports ratios (on a shared machine absolute numbers are noise; ratios
 measured side by side are not). Sections: limit, decode, throughput, prefill, train,
-structured, serve, isolated, window. Results go to runs/bench/<timestamp>/ (results.json, results.md, and chart.png when
-matplotlib is installed); docs/benchmarks.md explains how to read them. The benchmark itself
-lives in programs/benchmark/, outside the astrai package.
+structured, serve, isolated, speculation, window, adapters. Results go to
+runs/bench/<timestamp>/ (results.json, results.md, and chart.png when matplotlib is
+installed); docs/benchmarks.md explains how to read them. The benchmark itself lives in
+programs/benchmark/, outside the astrai package.
 """
 
 from __future__ import annotations
