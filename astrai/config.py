@@ -940,22 +940,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
         raise ConfigError(
             f"{path}: `data.train` must name a prepared data folder (or source = 'synthetic')"
         )
-    if cfg.distill.teacher:
-        _check_distill(cfg, path)
     return cfg
-
-
-def _check_distill(cfg: TrainConfig, path: Path) -> None:
-    """A teacher folder that is missing, or whose vocabulary is not the student's, fails here,
-    at load, rather than after the data is opened."""
-    from astrai.train.distill import check_teacher, teacher_config
-
-    try:
-        teacher = teacher_config(cfg.distill)
-        if cfg.model is not None:  # an init_from student is checked when the run starts
-            check_teacher(teacher, cfg.model, cfg.distill)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
 
 
 def eval_config(data: dict[str, Any], source: str = "<dict>", base: Path | None = None):

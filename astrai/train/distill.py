@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from astrai.config import ConfigError, DistillConfig, ModelConfig
+from astrai.config import ConfigError, DistillConfig, ModelConfig, TrainConfig
 from astrai.model import forward, load_pretrained, model_config_from_json
 
 
@@ -36,6 +36,15 @@ def check_teacher(teacher: ModelConfig, student: ModelConfig, distill: DistillCo
         )
     if teacher.model_type != "decoder":
         raise ConfigError(f"distill.teacher: {distill.teacher} is not a decoder")
+
+
+def check_distill(cfg: TrainConfig) -> None:
+    """A teacher folder that is missing, or whose vocabulary is not the student's, fails when
+    the run starts, before the data is opened (an init_from student is checked once loaded)."""
+    if cfg.distill.teacher:
+        teacher = teacher_config(cfg.distill)
+        if cfg.model is not None:
+            check_teacher(teacher, cfg.model, cfg.distill)
 
 
 def load_teacher(distill: DistillConfig, student: ModelConfig, device) -> tuple[dict, ModelConfig]:

@@ -29,7 +29,7 @@ from astrai.train.checkpoint import (
     remove_partial_checkpoints,
     save_train_state,
 )
-from astrai.train.distill import load_teacher, with_teacher_logps
+from astrai.train.distill import check_distill, load_teacher, with_teacher_logps
 from astrai.train.distributed import (
     DistInfo,
     all_reduce_sum_,
@@ -82,6 +82,7 @@ def start_run(
     checkpoint, False starts afresh (older checkpoints are removed). `open_source(dist)` gives
     the training batches for this rank.
     """
+    check_distill(train_cfg)
     dist = init_distributed(train_cfg.backend, train_cfg.device)
     run_dir = Path(train_cfg.out_dir)
     if dist.is_main:

@@ -77,10 +77,10 @@ def test_a_batch_without_the_teachers_logps_is_refused(teacher):
 def test_distill_settings_are_checked(tmp_path, teacher):
     missing = write_toml(tmp_path / "a.toml", tiny_config(distill={"teacher": "nowhere"}))
     with pytest.raises(ConfigError, match=r"distill.teacher: .*nowhere is not a model folder"):
-        load_train_config(missing)
+        train(load_train_config(missing))
     other_vocab = tiny_config(model={"vocab_size": 128}, distill={"teacher": teacher})
     with pytest.raises(ConfigError, match=r"distill\.teacher: .*vocabulary of 64 tokens.* 128"):
-        load_train_config(write_toml(tmp_path / "b.toml", other_vocab))
+        train(load_train_config(write_toml(tmp_path / "b.toml", other_vocab)))
     with pytest.raises(ValueError, match=r"distill\.teacher: kind must be"):
         train_config(tiny_config(kind="dpo", distill={"teacher": teacher}), "test")
     with pytest.raises(ValueError, match=r"distill\.ce_weight"):
