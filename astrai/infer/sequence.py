@@ -55,3 +55,11 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+def page_table(seqs: list[Sequence], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Each sequence's pages as rows of a [B, W] table, padded with page 0; a page given back
+    (RELEASED) reads as page 0 too, which the window mask hides like the padding."""
+    width = max(len(seq.pages) for seq in seqs)
+    table = torch.tensor([seq.pages + [0] * (width - len(seq.pages)) for seq in seqs])
+    return table.clamp_(min=0).to(device)

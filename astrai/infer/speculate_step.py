@@ -45,7 +45,7 @@ from astrai.infer.pages import alloc_pages, num_free_pages, pages_for
 from astrai.infer.proposal import Proposal
 from astrai.infer.sampling import token_logprobs
 from astrai.infer.scheduler import Scheduler
-from astrai.infer.sequence import Sequence
+from astrai.infer.sequence import Sequence, page_table
 from astrai.infer.speculative import discard_after, verify_forward
 from astrai.model import DTYPES, Params, load_pretrained
 
@@ -113,7 +113,7 @@ def verify_cost(longest: int) -> float:
     """What a verify forward over 1 + `longest` positions per row costs beyond a decode step,
     as a share of the decode step.
 
-    Measured on this CPU (2 cores shared with six other jobs, so rounded; float32, one
+    Measured on a 2-core AMD EPYC shared with other work (so rounded; float32, one
     thread, a 512-wide 8-layer model with a 32k vocabulary at 200 tokens of context;
     `verify_forward` against `decode_step` on the same pool, best of 2 alternating rounds of 5),
     the verify forward over 1 + k positions took, against a decode step: k=1 1.1-2.0x, k=2
@@ -268,9 +268,6 @@ def verify(
     as `prefill` takes it) -> each row's kept tokens with their log-probs, and the counts (rows
     with a proposal, tokens proposed, tokens kept). The rows' pages must cover the proposals
     (see `reserve`); `computed` is left to the caller, which feeds the kept tokens."""
-    width = max(len(seq.pages) for seq in seqs)
-    table = torch.tensor([seq.pages + [0] * (width - len(seq.pages)) for seq in seqs])
-    table = table.clamp_(min=0).to(s.pool["k"].device)  # a RELEASED page reads as page 0
     logits, s.pool = verify_forward(
         params,
         cfg,
@@ -278,7 +275,7 @@ def verify(
         [seq.tokens[-1] for seq in seqs],
         [p.tokens for p in proposals],
         [seq.computed for seq in seqs],
-        table,
+        page_table(seqs, s.pool["k"].device),
         lora,
     )
     kept, counts = [], [0, 0, 0]

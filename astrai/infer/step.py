@@ -29,19 +29,11 @@ from astrai.infer.paged import decode_step, prefill
 from astrai.infer.requests import Request
 from astrai.infer.sampling import sample_ids, sample_requests
 from astrai.infer.scheduler import StepPlan, advance, decode_run_length, fed, plan_step, reserve_run
-from astrai.infer.sequence import Sequence
+from astrai.infer.sequence import Sequence, page_table
 from astrai.infer.speculate_step import propose, reserve, settle, verify
 from astrai.infer.state import EngineState, add_request, describe, end_all, retire
 from astrai.infer.text import token_text
 from astrai.model import Params
-
-
-def _page_table(seqs: list[Sequence]) -> torch.Tensor:
-    """Each sequence's pages, padded; a page given back (RELEASED) reads as page 0, which the
-    window mask hides like the padding."""
-    width = max(len(seq.pages) for seq in seqs)
-    table = torch.tensor([seq.pages + [0] * (width - len(seq.pages)) for seq in seqs])
-    return table.clamp_(min=0)
 
 
 def _decode_inputs(seqs: list[Sequence], device) -> tuple[torch.Tensor, ...]:
@@ -55,7 +47,7 @@ def _decode_inputs(seqs: list[Sequence], device) -> tuple[torch.Tensor, ...]:
         ],
         device=device,
     )
-    return rows.select(1, 0), rows.select(1, 1), rows[:, 2:].clamp_(min=0)  # as _page_table
+    return rows.select(1, 0), rows.select(1, 1), rows[:, 2:].clamp_(min=0)  # as page_table
 
 
 def _run_model(
@@ -77,7 +69,7 @@ def _run_model(
         start = torch.tensor([seq.computed for seq, _ in plan.prefill], device=device)
         lengths = torch.tensor([n for _, n in plan.prefill], device=device)
         seqs = [seq for seq, _ in plan.prefill]
-        table, lora = _page_table(seqs), batch_lora(state.adapters, seqs, width)
+        table, lora = page_table(seqs, device), batch_lora(state.adapters, seqs, width)
         out, s.pool = prefill(params, cfg, s.pool, tokens, table, start, lengths, lora)
         # a prompt whose last chunk this was gives its first generated token
         done = [i for i, (seq, n) in enumerate(plan.prefill) if seq.pending == n]
