@@ -40,17 +40,14 @@ def check_draft(draft_model: str | None, target_folder: Path) -> None:
     another vocabulary than the target's (a draft must share the target's tokenizer)."""
     if draft_model is None:
         return
+    from astrai.infer.speculate_step import check_draft_config
     from astrai.model import model_config_from_json
 
     config = Path(draft_model) / "config.json"
     if not config.is_file():
         raise ValueError(f"--draft-model {draft_model}: not a model folder (no config.json)")
-    draft = model_config_from_json(config)
     target = model_config_from_json(Path(target_folder) / "config.json")
-    if draft.model_type != "decoder":
-        raise ValueError(f"--draft-model {draft_model}: an encoder cannot draft tokens")
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"--draft-model {draft_model}: its vocabulary has {draft.vocab_size} tokens, the"
-            f" model's {target.vocab_size}; a draft must share the model's tokenizer"
-        )
+    try:
+        check_draft_config(model_config_from_json(config), target)
+    except ValueError as exc:
+        raise ValueError(f"--draft-model {draft_model}: {exc}") from None

@@ -91,14 +91,25 @@ def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None
     spec = Speculator(config.speculative, config.speculative_k, config.lookup_ngram)
     if config.speculative == "draft":
         params, draft_cfg = load_pretrained(config.draft_model, DTYPES[config.dtype], config.device)
-        if draft_cfg.vocab_size != cfg.vocab_size:
-            raise ValueError(
-                f"draft_model: its vocabulary has {draft_cfg.vocab_size} tokens, the target's"
-                f" {cfg.vocab_size}; the draft must use the target's tokenizer"
-            )
+        try:
+            check_draft_config(draft_cfg, cfg)
+        except ValueError as exc:
+            raise ValueError(f"draft_model: {exc}") from None
         dtype, pages = DTYPES[config.dtype], config.num_pages
         spec.draft = init_draft(params, draft_cfg, pages, config.page_size, dtype, config.device)
     return spec
+
+
+def check_draft_config(draft: ModelConfig, target: ModelConfig) -> None:
+    """A ValueError when `draft` cannot propose tokens for `target`: an encoder, or another
+    vocabulary (a draft must share the target's tokenizer)."""
+    if draft.model_type != "decoder":
+        raise ValueError("an encoder cannot draft tokens")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"its vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size};"
+            " a draft must share the model's tokenizer"
+        )
 
 
 def forget(spec: Speculator, rid: str) -> Speculator:
