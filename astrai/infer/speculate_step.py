@@ -31,6 +31,7 @@ from measurements; see verify_cost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ from astrai.infer.scheduler import Scheduler
 from astrai.infer.sequence import Sequence, page_table
 from astrai.infer.speculative import discard_after, verify_forward
 from astrai.model import DTYPES, Params, load_pretrained
+from astrai.model.params import param_shapes
 
 # Per request: the moving average of accepted / proposed starts at RATE_START and moves by
 # RATE_WEIGHT of each step's share. Below RATE_FLOOR a request stops proposing for PAUSE_MIN
@@ -97,6 +99,8 @@ class Speculator:
     draft_cost: float = 0.0  # a draft step as a share of a target step (see draft_step_cost)
     prior: float = RATE_START  # the moving acceptance over every row: where new rows start
     backoff: int = PAUSE_MIN  # a draft's new row below the floor starts with this pause
+    watched: int = 0  # lookup tokens proposed without verifying, scored against the rows'
+    watched_kept: int = 0  # and of those, the ones the rows then wrote
 
 
 def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None:
@@ -117,14 +121,16 @@ def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None
     return spec
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """The weights a decode step reads: every layer's projections and the output head (the
-    input embedding gives one row per token and is left out)."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    q_and_out = 2 * cfg.hidden_size * cfg.num_attention_heads * head_dim
-    k_and_v = 2 * cfg.hidden_size * cfg.num_key_value_heads * head_dim
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_hidden_layers * (q_and_out + k_and_v + mlp) + cfg.hidden_size * cfg.vocab_size
+def weights_read(cfg: ModelConfig) -> int:
+    """The weights a decode step reads (param_shapes'): every layer's and the output head,
+    not the input embedding, which gives one row per token (unless it is the tied head).
+    A mixture of experts counts every expert: a batch of rows reads most of them."""
+    embedding = "model.embed_tokens.weight"
+    return sum(
+        math.prod(shape)
+        for key, shape in param_shapes(cfg).items()
+        if key != embedding or cfg.tie_word_embeddings
+    )
 
 
 def draft_step_cost(draft: ModelConfig, target: ModelConfig) -> float:
@@ -132,10 +138,10 @@ def draft_step_cost(draft: ModelConfig, target: ModelConfig) -> float:
 
     Measured on a 2-core AMD EPYC shared with other work (float32, one thread, the benchmark's
     512-wide 8-layer target and its 128-wide 4-layer draft, best of 30 `decode_step` calls
-    each): 0.044 at 1 row, 0.042 at 16; the weights' ratio is 0.037. A decode step of models
+    each): 0.044 at 1 row, 0.042 at 16; the ratio of the weights they read is 0.036. A decode step of models
     this size is bound by reading the weights; at toy sizes fixed per-op costs make the
     draft's share larger than this says."""
-    return parameter_count(draft) / parameter_count(target)
+    return weights_read(draft) / weights_read(target)
 
 
 def check_draft_config(draft: ModelConfig, target: ModelConfig) -> None:
@@ -252,6 +258,7 @@ def score_unverified(spec: Speculator, row: RowSpec, seq: Sequence) -> Speculato
     outcome = unverified_outcome(row, seq.tokens)
     if outcome is not None:
         row.unverified = None
+        spec.watched, spec.watched_kept = spec.watched + outcome[0], spec.watched_kept + outcome[1]
         row = fold_rate(row, *outcome)
         spec = learn(spec, row, *outcome)
     return spec

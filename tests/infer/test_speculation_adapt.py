@@ -100,6 +100,8 @@ def test_on_always_wrong_proposals_later_requests_verify_nothing(target, monkeyp
         steps.append(engine_stats(state).spec_steps)
     assert 0 < steps[0] <= 3  # the first request learns it: a few failed verifications
     assert steps[-1] == steps[0]  # the others start below the floor and only watch
+    stats = engine_stats(state)  # what they watched is counted, none of it kept
+    assert stats.spec_watched > 3 * 30 and stats.spec_watched_kept == 0
 
 
 def test_a_watching_row_verifies_again_once_its_proposals_would_be_kept(target, monkeypatch):
