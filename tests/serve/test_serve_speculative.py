@@ -67,6 +67,7 @@ def test_lookup_gives_the_same_greedy_text_and_counts_what_it_kept(tiny):
         ("astrai_speculative_accepted_tokens_total", "spec_accepted"),
         ("astrai_speculative_proposed_tokens_total", "spec_proposed"),
         ("astrai_speculative_verification_steps_total", "spec_steps"),
+        ("astrai_speculative_watched_tokens_total", "spec_watched"),
     ):
         assert metric(metrics, name) == stats[key]
     assert "# TYPE astrai_speculative_accepted_tokens_total counter" in metrics
