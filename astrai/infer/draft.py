@@ -99,16 +99,19 @@ def draft_propose_batch(
     generators: list[torch.Generator | None] | None = None,
 ) -> tuple[DraftState, list[Proposal]]:
     """`draft_propose` for a batch of requests: one prefill chunk that catches every request
-    up, then k - 1 batched decode steps. All get k tokens, fewer when a request is near the
-    model's last position; a request the pool has no room for gets an empty proposal."""
+    up, then k - 1 batched decode steps. All get k tokens; a request near the model's last
+    position gets fewer (and drops out of the steps past it, the others going on), one at it
+    or one the pool has no room for an empty proposal."""
     B = len(rids)
     settings, generators = settings or [None] * B, generators or [None] * B
     if any(not tokens for tokens in token_lists):
         raise ValueError("draft_propose: tokens must hold at least the prompt's first token")
     limit = state.cfg.max_position_embeddings
-    k = min([k] + [limit - len(tokens) for tokens in token_lists])
+    ks = [min(k, limit - len(tokens)) for tokens in token_lists]
     proposals = [Proposal([])] * B
-    rows = [b for b in range(B) if k > 0 and _grow(state, rids[b], len(token_lists[b]) + k - 1)]
+    rows = [
+        b for b in range(B) if ks[b] > 0 and _grow(state, rids[b], len(token_lists[b]) + ks[b] - 1)
+    ]
     if not rows:
         return state, proposals
     tokens = [token_lists[b] for b in rows]
@@ -125,19 +128,23 @@ def draft_propose_batch(
     start = torch.tensor(done, device=device)
     logits, state.pool = prefill(state.params, state.cfg, state.pool, padded, table, start, lengths)
     drafted, qs = [[] for _ in rows], [[] for _ in rows]
-    for i in range(k):
-        for j, b in enumerate(rows):
-            token, q = _pick(logits[j], settings[b], generators[b], tokens[j] + drafted[j])
+    wants = [ks[b] for b in rows]
+    active = list(range(len(rows)))  # the rows `logits` belong to, in order
+    for i in range(max(wants)):
+        for at, j in enumerate(active):
+            b = rows[j]
+            token, q = _pick(logits[at], settings[b], generators[b], tokens[j] + drafted[j])
             drafted[j].append(token)
             qs[j].append(q)
-        if i < k - 1:
-            step = torch.tensor([d[-1] for d in drafted], device=device)
-            positions = torch.tensor([len(t) + i for t in tokens], device=device)
+        active = [j for j in active if wants[j] > i + 1]  # a row stops at its last position
+        if active:
+            step = torch.tensor([drafted[j][-1] for j in active], device=device)
+            positions = torch.tensor([len(tokens[j]) + i for j in active], device=device)
             logits, state.pool = decode_step(
-                state.params, state.cfg, state.pool, step, positions, table
+                state.params, state.cfg, state.pool, step, positions, table[active]
             )
     for j, b in enumerate(rows):
-        state.computed[rids[b]] = len(tokens[j]) + k - 1
+        state.computed[rids[b]] = len(tokens[j]) + wants[j] - 1
         probs = None if qs[j][0] is None else torch.stack(qs[j])
         proposals[b] = Proposal(drafted[j], probs)
     return state, proposals

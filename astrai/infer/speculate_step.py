@@ -17,14 +17,21 @@ full pages of tokens[:computed], never holds a rejected token's K/V. `settle` th
 pages past the request's next position and rolls the draft back to the tokens that stand.
 
 Speculation adapts (`update_rate`, `worth_verifying`): each request keeps a moving average of
-the share of its proposed tokens that were kept and stops proposing for a while when it is
-low, and a step verifies only when the tokens its proposals are expected to add pay for the
-verify forward, which a batch of many rows with few good proposals does not. The thresholds
-come from measurements; see verify_cost.
+the share of its proposed tokens that were kept, and a step verifies only when the tokens its
+proposals are expected to add pay for the verify forward and, with a draft, the draft's own
+steps, which a batch of many rows with few good proposals does not. A prompt-lookup row whose
+rate is low goes on proposing (a few dictionary lookups) without verifying: its proposal is
+scored against the tokens the row then writes (`score_unverified`), so its rate follows its
+traffic at no forward's cost, and it verifies again once that rate is back. A draft row, whose
+proposals cost forwards, stops proposing for a while instead. New rows start from the engine's
+own moving acceptance over all rows (`Speculator.prior`), so on traffic whose proposals are
+rarely kept a new request does not pay failed verifications to learn it. The thresholds come
+from measurements; see verify_cost.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +55,7 @@ from astrai.infer.scheduler import Scheduler
 from astrai.infer.sequence import Sequence, page_table
 from astrai.infer.speculative import discard_after, verify_forward
 from astrai.model import DTYPES, Params, load_pretrained
+from astrai.model.params import param_shapes
 
 # Per request: the moving average of accepted / proposed starts at RATE_START and moves by
 # RATE_WEIGHT of each step's share. Below RATE_FLOOR a request stops proposing for PAUSE_MIN
@@ -61,17 +69,24 @@ RATE_WEIGHT = 0.3
 RATE_FLOOR = 0.2
 PAUSE_MIN = 4
 PAUSE_MAX = 64
+# The engine's prior moves by PRIOR_WEIGHT of every row's outcome: a batch-1 request of
+# always-wrong proposals brings it from RATE_START below RATE_FLOOR in 7 outcomes.
+PRIOR_WEIGHT = 0.1
 
 
 @dataclass(eq=False)
 class RowSpec:
     """One request's speculation: its lookup index over its tokens (prompt lookup only), the
-    moving average of its acceptance, and how long it pauses."""
+    moving average of its acceptance, how long it pauses (a draft's rows), the lookup
+    proposal it made without verifying (scored against what the row writes next), and
+    whether it has passed the draft's last position (it proposes no more)."""
 
     lookup: LookupIndex | None = None
     rate: float = RATE_START
     pause: int = 0  # steps left before it proposes again
     backoff: int = PAUSE_MIN  # the next pause
+    unverified: tuple[int, list[int]] | None = None  # (its position, the proposed tokens)
+    past_draft: bool = False
 
 
 @dataclass(eq=False)
@@ -81,6 +96,11 @@ class Speculator:
     ngram: int
     draft: DraftState | None = None
     rows: dict[str, RowSpec] = field(default_factory=dict)  # by request id
+    draft_cost: float = 0.0  # a draft step as a share of a target step (see draft_step_cost)
+    prior: float = RATE_START  # the moving acceptance over every row: where new rows start
+    backoff: int = PAUSE_MIN  # a draft's new row below the floor starts with this pause
+    watched: int = 0  # lookup tokens proposed without verifying, scored against the rows'
+    watched_kept: int = 0  # and of those, the ones the rows then wrote
 
 
 def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None:
@@ -97,7 +117,31 @@ def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None
             raise ValueError(f"draft_model: {exc}") from None
         dtype, pages = DTYPES[config.dtype], config.num_pages
         spec.draft = init_draft(params, draft_cfg, pages, config.page_size, dtype, config.device)
+        spec.draft_cost = draft_step_cost(draft_cfg, cfg)
     return spec
+
+
+def weights_read(cfg: ModelConfig) -> int:
+    """The weights a decode step reads (param_shapes'): every layer's and the output head,
+    not the input embedding, which gives one row per token (unless it is the tied head).
+    A mixture of experts counts every expert: a batch of rows reads most of them."""
+    embedding = "model.embed_tokens.weight"
+    return sum(
+        math.prod(shape)
+        for key, shape in param_shapes(cfg).items()
+        if key != embedding or cfg.tie_word_embeddings
+    )
+
+
+def draft_step_cost(draft: ModelConfig, target: ModelConfig) -> float:
+    """A draft decode step's cost as a share of the target's, from the weights each reads.
+
+    Measured on a 2-core AMD EPYC shared with other work (float32, one thread, the benchmark's
+    512-wide 8-layer target and its 128-wide 4-layer draft, best of 30 `decode_step` calls
+    each): 0.044 at 1 row, 0.042 at 16, where the weights they read give 0.036. A decode step
+    of models this size is bound by reading the weights; at toy sizes fixed per-op costs make
+    the draft's share larger than this says."""
+    return weights_read(draft) / weights_read(target)
 
 
 def check_draft_config(draft: ModelConfig, target: ModelConfig) -> None:
@@ -134,27 +178,90 @@ def verify_cost(longest: int) -> float:
     return 0.3 + 0.1 * longest
 
 
-def worth_verifying(spec: Speculator, seqs: list[Sequence], proposals: list[Proposal]) -> bool:
-    """Whether the tokens the proposals are expected to add (each row's moving acceptance
-    times its proposal's length) pay for the verify forward: a step of B rows gives B tokens
-    without speculation, so the gain must exceed B x verify_cost. A large batch in which few
-    rows propose decodes plainly; at 16 rows a proposal of 4 needs about 11 expected tokens."""
-    longest = max(len(p.tokens) for p in proposals)
-    gain = sum(spec.rows[seq.id].rate * len(p.tokens) for seq, p in zip(seqs, proposals))
-    return longest > 0 and gain > len(seqs) * verify_cost(longest)
+def worth_verifying(spec: Speculator, seqs: list[Sequence], lengths: list[int]) -> bool:
+    """Whether the tokens the proposals of `lengths` tokens are expected to add (each row's
+    moving acceptance times its proposal's length) pay for what proposing and verifying
+    cost: a step of B rows gives B tokens without speculation, so the gain must exceed
+    B x (verify_cost(k) + k x draft_cost), k the longest proposal (a draft runs k steps for
+    every row it drafts for; lookup costs no forward). A large batch in which few rows
+    propose decodes plainly; at 16 rows a proposal of 4 needs about 11 expected tokens."""
+    longest = max(lengths, default=0)
+    gain = sum(spec.rows[seq.id].rate * n for seq, n in zip(seqs, lengths))
+    cost = verify_cost(longest) + longest * spec.draft_cost
+    return longest > 0 and gain > len(seqs) * cost
+
+
+def fold_rate(row: RowSpec, proposed: int, accepted: int) -> RowSpec:
+    """The row's moving average with one more outcome."""
+    row.rate += RATE_WEIGHT * (accepted / proposed - row.rate)
+    return row
 
 
 def update_rate(row: RowSpec, proposed: int, accepted: int) -> RowSpec:
     """Fold one verification into the row's moving average; pause a row below the floor."""
     if proposed == 0:
         return row
-    row.rate += RATE_WEIGHT * (accepted / proposed - row.rate)
+    row = fold_rate(row, proposed, accepted)
     if row.rate >= RATE_START:  # recovered: the next failure pauses briefly again
         row.backoff = PAUSE_MIN
     elif row.rate < RATE_FLOOR:
         row.pause, row.backoff = row.backoff, min(2 * row.backoff, PAUSE_MAX)
         row.rate = RATE_FLOOR  # the retry starts at the floor: one more failure pauses again
     return row
+
+
+def learn(spec: Speculator, row: RowSpec, proposed: int, accepted: int) -> Speculator:
+    """Fold a row's outcome into the engine's prior, and a draft row's pause into the pause
+    new rows start with (reset once a row recovers)."""
+    if proposed == 0:
+        return spec
+    spec.prior += PRIOR_WEIGHT * (accepted / proposed - spec.prior)
+    if row.pause:
+        spec.backoff = max(spec.backoff, row.pause)
+    elif row.rate >= RATE_START:
+        spec.backoff = PAUSE_MIN
+    return spec
+
+
+def new_row(spec: Speculator) -> RowSpec:
+    """A new request's RowSpec, at the engine's prior. Below the floor a lookup row watches
+    (proposes without verifying, see score_unverified) and a draft row starts with the pause
+    the engine's rows last needed, then one try."""
+    if spec.prior >= RATE_FLOOR:
+        return RowSpec(rate=spec.prior)
+    if spec.kind == "lookup":
+        return RowSpec(rate=spec.prior)
+    return RowSpec(rate=RATE_FLOOR, pause=spec.backoff, backoff=min(2 * spec.backoff, PAUSE_MAX))
+
+
+def unverified_outcome(row: RowSpec, tokens: list[int]) -> tuple[int, int] | None:
+    """(proposed, accepted) that verifying the row's unverified proposal would have given,
+    from the tokens the row wrote since (`tokens`: all of them); None when there is none or
+    nothing is written yet. Greedy, the target's tokens are exactly what verifying keeps;
+    sampled, the chance that a written token equals the proposed one is the chance that
+    rejection sampling keeps it (p of the token, for a proposer with a one-hot q)."""
+    if row.unverified is None:
+        return None
+    at, proposed = row.unverified
+    written = tokens[at : at + len(proposed)]
+    if not written:
+        return None
+    kept = 0
+    while kept < len(written) and written[kept] == proposed[kept]:
+        kept += 1
+    # all written ones kept: what follows is not known yet, so only those count
+    return (len(written), kept) if kept == len(written) else (len(proposed), kept)
+
+
+def score_unverified(spec: Speculator, row: RowSpec, seq: Sequence) -> Speculator:
+    """Fold the row's unverified proposal, scored against what it wrote, into its rate."""
+    outcome = unverified_outcome(row, seq.tokens)
+    if outcome is not None:
+        row.unverified = None
+        spec.watched, spec.watched_kept = spec.watched + outcome[0], spec.watched_kept + outcome[1]
+        row = fold_rate(row, *outcome)
+        spec = learn(spec, row, *outcome)
+    return spec
 
 
 def _room(seq: Sequence, k: int) -> int:
@@ -184,41 +291,83 @@ def _grammar_trim(seq: Sequence, proposal: Proposal) -> Proposal:
     return _trim(proposal, seq.matcher.validate_tokens(proposal.tokens))
 
 
-def propose(spec: Speculator, seqs: list[Sequence]) -> tuple[Speculator, list[Proposal]]:
-    """Each decoding sequence's proposal (empty for a paused row, or one with no room);
-    all empty when they are not worth verifying (see worth_verifying)."""
-    k = spec.k
+def _draft_room(spec: Speculator, row: RowSpec, seq: Sequence, room: int) -> int:
+    """room, less near the draft's last position; a row that reaches it proposes no more
+    (the others go on)."""
+    if row.past_draft or room == 0:
+        return 0
+    room = min(room, spec.draft.cfg.max_position_embeddings - len(seq.tokens))
+    row.past_draft = room <= 0
+    return max(room, 0)
+
+
+def _rooms(spec: Speculator, seqs: list[Sequence]) -> list[int]:
+    """What each row may propose this step: 0 for a paused draft row."""
     rooms = []
     for seq in seqs:
-        row = spec.rows.setdefault(seq.id, RowSpec())
-        if row.pause > 0:
+        if seq.id not in spec.rows:
+            spec.rows[seq.id] = new_row(spec)
+        row = spec.rows[seq.id]
+        if spec.kind == "lookup":
+            spec = score_unverified(spec, row, seq)
+            rooms.append(_room(seq, spec.k))
+        elif row.pause > 0:
             row.pause -= 1
             rooms.append(0)
         else:
-            rooms.append(_room(seq, k))
+            rooms.append(_draft_room(spec, row, seq, _room(seq, spec.k)))
+    return rooms
+
+
+def _propose_lookup(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+    """Every row with room proposes; the proposals of rows below the floor, and all of them
+    when the step would not pay, are kept unverified, to be scored by what the rows write."""
+    proposals = [Proposal([])] * len(seqs)
+    for i, (seq, room) in enumerate(zip(seqs, rooms)):
+        if room > 0:
+            proposals[i] = _grammar_trim(seq, _lookup(spec, spec.rows[seq.id], seq, room))
+    verified = [
+        p if spec.rows[seq.id].rate >= RATE_FLOOR else Proposal([])
+        for seq, p in zip(seqs, proposals)
+    ]
+    if not worth_verifying(spec, seqs, [len(p.tokens) for p in verified]):
+        verified = [Proposal([])] * len(seqs)
+    for seq, p, v in zip(seqs, proposals, verified):
+        if p.tokens and not v.tokens:
+            spec.rows[seq.id].unverified = (len(seq.tokens), list(p.tokens))
+    return verified
+
+
+def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+    """The draft's proposals for the rows with room, when they are expected to pay for the
+    draft's steps and the verify forward (judged before drafting, on the rows' rooms)."""
     proposals = [Proposal([])] * len(seqs)
     asking = [i for i, room in enumerate(rooms) if room > 0]
+    if not asking or not worth_verifying(spec, seqs, rooms):
+        return proposals
+    spec.draft, drafted = draft_propose_batch(
+        spec.draft,
+        [seqs[i].id for i in asking],
+        [seqs[i].tokens for i in asking],
+        max(rooms[i] for i in asking),
+        [seqs[i].sampling for i in asking],
+        [seqs[i].generator for i in asking],
+    )
+    for i, proposal in zip(asking, drafted):
+        proposals[i] = _grammar_trim(seqs[i], _trim(proposal, rooms[i]))
+    if not any(p.tokens for p in proposals):  # the step decodes plainly: no settle follows
+        for i in asking:  # the draft fed its own guesses: only the request's tokens stand
+            spec.draft = draft_rollback(spec.draft, seqs[i].id, len(seqs[i].tokens))
+    return proposals
+
+
+def propose(spec: Speculator, seqs: list[Sequence]) -> tuple[Speculator, list[Proposal]]:
+    """Each decoding sequence's proposal to verify: empty for a paused or watching row, or
+    one with no room; all empty when they are not worth verifying (see worth_verifying)."""
+    rooms = _rooms(spec, seqs)
     if spec.kind == "lookup":
-        for i in asking:
-            proposals[i] = _lookup(spec, spec.rows[seqs[i].id], seqs[i], rooms[i])
-    elif asking:
-        spec.draft, drafted = draft_propose_batch(
-            spec.draft,
-            [seqs[i].id for i in asking],
-            [seqs[i].tokens for i in asking],
-            max(rooms[i] for i in asking),
-            [seqs[i].sampling for i in asking],
-            [seqs[i].generator for i in asking],
-        )
-        for i, proposal in zip(asking, drafted):
-            proposals[i] = _trim(proposal, rooms[i])
-    proposals = [_grammar_trim(seq, p) for seq, p in zip(seqs, proposals)]
-    if not worth_verifying(spec, seqs, proposals):
-        if spec.draft is not None:  # the draft fed its own guesses: only the request's stand
-            for i in asking:
-                spec.draft = draft_rollback(spec.draft, seqs[i].id, len(seqs[i].tokens))
-        return spec, [Proposal([])] * len(seqs)
-    return spec, proposals
+        return spec, _propose_lookup(spec, seqs, rooms)
+    return spec, _propose_draft(spec, seqs, rooms)
 
 
 def reserve(
@@ -295,7 +444,11 @@ def verify(
         rows = logits[b, : n + 1]
         allowed = _masks(seq, proposal.tokens, rows.shape[-1], rows.device)
         verdict = verify_sampled(rows, proposal, seq.sampling, seq.generator, seq.tokens, allowed)
-        spec.rows[seq.id] = update_rate(spec.rows[seq.id], n, verdict.accepted)
+        row = spec.rows[seq.id]
+        # a lookup row below the floor watches rather than pauses (see _propose_lookup)
+        row = fold_rate(row, n, verdict.accepted) if spec.kind == "lookup" and n else row
+        row = update_rate(row, n, verdict.accepted) if spec.kind == "draft" else row
+        spec = learn(spec, row, n, verdict.accepted)
         kept.append(list(zip(verdict.tokens, _logprobs(rows, verdict, seq))))
         counts = [counts[0] + (n > 0), counts[1] + n, counts[2] + verdict.accepted]
     return s, spec, kept, tuple(counts)

@@ -33,6 +33,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_steps: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    # prompt lookup's proposals not verified (a row below its floor, a step that would not
+    # pay), scored against the tokens the rows then wrote: what verifying them would have kept
+    spec_watched: int = 0
+    spec_watched_kept: int = 0
     tokens_per_s: float = 0.0  # measured by the Engine over the recent past; 0 without one
     uptime_s: float = 0.0  # since the Engine started; 0 without one
 
@@ -62,4 +66,6 @@ def engine_stats(state: EngineState) -> EngineStats:
         spec_steps=t.spec_steps,
         spec_proposed=t.spec_proposed,
         spec_accepted=t.spec_accepted,
+        spec_watched=state.spec.watched if state.spec is not None else 0,
+        spec_watched_kept=state.spec.watched_kept if state.spec is not None else 0,
     )

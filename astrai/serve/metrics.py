@@ -94,6 +94,16 @@ SPECULATION_COUNTERS = (
         "spec_steps",
         "Requests' verifications of a proposal (one per request per engine step).",
     ),
+    (
+        "astrai_speculative_watched_tokens_total",
+        "spec_watched",
+        "Tokens prompt lookup proposed without verifying, scored against what was written.",
+    ),
+    (
+        "astrai_speculative_watched_kept_tokens_total",
+        "spec_watched_kept",
+        "Watched proposed tokens that the requests then wrote.",
+    ),
 )
 
 

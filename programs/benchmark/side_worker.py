@@ -58,7 +58,16 @@ def load_side(spec: dict) -> tuple[Generate, dict]:
 
 def spec_counts(engine) -> dict:
     stats = engine.stats()
-    return {k: getattr(stats, k) for k in ("spec_steps", "spec_proposed", "spec_accepted")}
+    return {
+        k: getattr(stats, k)
+        for k in (
+            "spec_steps",
+            "spec_proposed",
+            "spec_accepted",
+            "spec_watched",
+            "spec_watched_kept",
+        )
+    }
 
 
 def main(spec_json: str) -> None:

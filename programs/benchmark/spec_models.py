@@ -142,3 +142,25 @@ def random_prompts(count: int, length: int, seed: int = 3) -> list[list[int]]:
     proposals are rarely kept (the traffic where speculation must back off)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(2, VOCAB, (count, length), generator=generator).tolist()
+
+
+def misleading_prompts(count: int, length: int, seed: int = 6) -> list[list[int]]:
+    """Traffic where prompt lookup proposes at every step and is wrong at once: the model
+    continues a start token z along the chain's likeliest successors (z, f(z), f(f(z)), ...,
+    as it learned), and the prompt holds each pair of that path, (p_i, p_i+1), followed by
+    another successor of p_i+1. So each pair the model writes occurred before, and lookup
+    proposes what followed it there, which the model does not write. The prompt ends with z;
+    `length` pairs cover a continuation of `length` tokens."""
+    table = chain_table(VOCAB)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        path = [int(torch.randint(2, VOCAB, (), generator=generator))]
+        while len(path) < length + 2:
+            path.append(int(table[path[-1], 0]))
+        prompt = []
+        for i in range(length + 1):
+            other = int(torch.randint(1, SUCCESSORS, (), generator=generator))
+            prompt += [path[i], path[i + 1], int(table[path[i + 1], other])]
+        out.append([*prompt, path[0]])
+    return out

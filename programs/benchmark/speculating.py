@@ -4,10 +4,19 @@ that proposals can be accepted (spec_models.py):
 
 - prompt lookup at batch 1 on grounded traffic (quoting a document given in the prompt);
 - a distilled draft at batch 1 on chat-like traffic (text the prompt does not hold);
-- prompt lookup at batch 1 and at 16 concurrent on random traffic, where proposals are rarely
-  kept: what the engine's adaptation (pausing rows that fail, verifying only when it pays)
-  leaves of the cost;
+- the draft at batch 1 on grounded traffic, which it rarely guesses (it did not learn to
+  copy): what the engine's adaptation leaves of the cost of a draft that misses;
+- prompt lookup at batch 1 and at 16 concurrent on random prompts (the trained model soon
+  repeats itself there, so lookup's proposals are in fact kept);
+- prompt lookup at batch 1 and at 16 concurrent on misleading traffic (spec_models'
+  misleading_prompts): the prompt holds every pair of tokens the model writes, followed by
+  another token, so lookup proposes at every step and is rarely kept: what the engine's
+  adaptation (rows that watch instead of verifying, a prior learned from earlier requests,
+  verifying only when it pays) leaves of the cost;
 - prompt lookup at 16 concurrent on grounded traffic.
+
+Each case starts with a warm-up round in the same engines, so the measured rounds see an
+engine that has served that traffic before (its prior, see speculate_step.py).
 
 Each row prints the acceptance rate (kept / proposed tokens) and the tokens a request gains
 per verification beside the ratio; both sides must do the same work (verify.same_work) and
@@ -23,7 +32,13 @@ import torch
 
 from .models import Workload
 from .report import compare
-from .spec_models import chat_prompts, grounded_prompts, random_prompts, spec_models
+from .spec_models import (
+    chat_prompts,
+    grounded_prompts,
+    misleading_prompts,
+    random_prompts,
+    spec_models,
+)
 from .speculation import DOC, QUOTE
 from .verify import agreement, generated, same_work
 
@@ -66,7 +81,15 @@ def _row(b, label, pair, rates, outputs, counts, batches) -> dict:
     c = counts[spec]
     acceptance = c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else 0.0
     per_step = (c["spec_steps"] + c["spec_accepted"]) / c["spec_steps"] if c["spec_steps"] else 1.0
-    name = f"{label} (acceptance {acceptance:.2f}, {per_step:.2f} tokens/verification)"
+    # lookup scores the proposals it did not verify against what the rows wrote: with them,
+    # the share of all its proposals the model would have kept (the traffic's, before adapting)
+    proposed = c["spec_proposed"] + c.get("spec_watched", 0)
+    kept = c["spec_accepted"] + c.get("spec_watched_kept", 0)
+    overall = f", {kept / proposed:.2f} of all {proposed} proposed" if proposed else ""
+    name = (
+        f"{label} (acceptance {acceptance:.2f} of {c['spec_proposed']} verified{overall},"
+        f" {per_step:.2f} tokens/verification)"
+    )
     row = compare("speculation", name, "tok/s", rates[spec], rates[plain], "no speculation")
     choices = {
         side: [
@@ -81,6 +104,7 @@ def _row(b, label, pair, rates, outputs, counts, batches) -> dict:
         "sides": list(pair),
         "agreement": agreement(choices[spec], choices[plain]),
         "acceptance": acceptance,
+        "acceptance_of_all_proposed": kept / proposed if proposed else 0.0,
         "tokens_per_verification": per_step,
         "counts": c,
     }
@@ -122,15 +146,33 @@ def speculation(b) -> None:
             True,
         ),
         (
+            "draft",
+            f"draft k={K} vs none, batch 1, rarely accepted (grounded: the draft does not copy)",
+            one_by_one(grounded_prompts(rounds * per_round, n, seed=7)),
+            True,
+        ),
+        (
             "lookup",
-            f"lookup k={K} vs none, batch 1, rarely accepted (random)",
+            f"lookup k={K} vs none, batch 1, random prompts (the model repeats itself)",
             one_by_one(random_prompts(rounds * per_round, 32)),
             True,
         ),
         (
             "lookup",
-            f"lookup k={K} vs none, {CONCURRENT} concurrent, rarely accepted (random)",
+            f"lookup k={K} vs none, batch 1, rarely accepted (misleading)",
+            one_by_one(misleading_prompts(rounds * per_round, n)),
+            True,
+        ),
+        (
+            "lookup",
+            f"lookup k={K} vs none, {CONCURRENT} concurrent, random prompts",
             _groups(random_prompts(rounds * CONCURRENT, 32, seed=4), rounds),
+            False,
+        ),
+        (
+            "lookup",
+            f"lookup k={K} vs none, {CONCURRENT} concurrent, rarely accepted (misleading)",
+            _groups(misleading_prompts(rounds * CONCURRENT, n, seed=8), rounds),
             False,
         ),
         (

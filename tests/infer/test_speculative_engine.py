@@ -14,7 +14,6 @@ import astrai as ai
 from astrai.config import EngineConfig
 from astrai.infer import speculate_step
 from astrai.infer.constraints import regex
-from astrai.infer.proposal import Proposal
 from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sequence import Sequence
@@ -44,6 +43,7 @@ def always_verify(monkeypatch):
     """Verify whatever is proposed, so the tests exercise speculation in every step rather
     than only where it pays."""
     monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
+    monkeypatch.setattr(speculate_step, "RATE_FLOOR", 0.0)  # no row watches or pauses
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -142,13 +142,12 @@ def test_speculation_pays_only_when_expected_tokens_cover_the_cost():
     seqs = [Sequence(str(i), [1], 1) for i in range(16)]
     for seq in seqs:
         spec.rows[seq.id] = speculate_step.RowSpec(rate=0.5)
-    four = Proposal([1, 2, 3, 4])
-    none = Proposal([])
     # one row alone: 2 expected tokens against 0.7 of a step
-    assert speculate_step.worth_verifying(spec, seqs[:1], [four])
+    assert speculate_step.worth_verifying(spec, seqs[:1], [4])
     # 16 rows, 2 proposing: 4 expected tokens against 16 x 0.7
-    assert not speculate_step.worth_verifying(spec, seqs, [four] * 2 + [none] * 14)
-    assert speculate_step.worth_verifying(spec, seqs, [four] * 16)
+    assert not speculate_step.worth_verifying(spec, seqs, [4] * 2 + [0] * 14)
+    assert speculate_step.worth_verifying(spec, seqs, [4] * 16)
+    assert not speculate_step.worth_verifying(spec, seqs, [0] * 16)
 
 
 def test_a_row_that_keeps_little_pauses_then_tries_again():

@@ -94,6 +94,7 @@ def test_random_accepts_keep_pool_and_cache_consistent(monkeypatch, heads, tails
     monkeypatch.setattr(speculate_step, "propose_lookup", random_proposal)
     monkeypatch.setattr(speculate_step, "verify_sampled", random_verdict)
     monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
+    monkeypatch.setattr(speculate_step, "RATE_FLOOR", 0.0)  # no row watches or pauses
     state = init_engine(
         PARAMS,
         CFG,

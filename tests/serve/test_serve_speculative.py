@@ -11,6 +11,7 @@ import pytest
 from tiny_server import API_KEY, HELLO_A, HELLO_Q, MODEL, engine_for, serving
 
 from astrai.config import ModelConfig, ServeConfig
+from astrai.infer import speculate_step
 from astrai.model import init_params, save_pretrained
 from astrai.serve.metrics import speculation_summary
 
@@ -66,6 +67,7 @@ def test_lookup_gives_the_same_greedy_text_and_counts_what_it_kept(tiny):
         ("astrai_speculative_accepted_tokens_total", "spec_accepted"),
         ("astrai_speculative_proposed_tokens_total", "spec_proposed"),
         ("astrai_speculative_verification_steps_total", "spec_steps"),
+        ("astrai_speculative_watched_tokens_total", "spec_watched"),
     ):
         assert metric(metrics, name) == stats[key]
     assert "# TYPE astrai_speculative_accepted_tokens_total counter" in metrics
@@ -81,7 +83,9 @@ def test_the_summary_of_no_speculation_is_zero():
     assert summary == {"spec_acceptance_rate": 0.75, "spec_tokens_per_step": 4.0}
 
 
-def test_the_model_as_its_own_draft_keeps_every_greedy_proposal(program, tmp_path):
+def test_the_model_as_its_own_draft_keeps_every_greedy_proposal(program, tmp_path, monkeypatch):
+    # a draft as large as its target never pays for its own steps: verify all the same
+    monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
     folder = program.make_random_tiny(tmp_path / "tiny")
     flags = ["--speculative", "draft", "--draft-model", str(folder), "--speculative-k", "3"]
     cfg = program.serve_config(program.parse_args(flags), environ={})
