@@ -8,6 +8,7 @@ from astrai.model.forward import (
     encode,
     forward,
     forward_cached,
+    hidden_states,
     init_cache,
     lm_head,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "encode",
     "forward",
     "forward_cached",
+    "hidden_states",
     "init_cache",
     "init_lora",
     "init_params",

@@ -159,14 +159,32 @@ def forward(
     positions [B, T] default to 0..T-1; doc_ids [B, T] restrict attention to each document
     of a packed sequence; mask is an explicit bool [B, 1, T, T] (True = may attend).
     """
+    hidden, aux = hidden_states(
+        params, cfg, tokens, positions, mask, doc_ids, lora, neftune_alpha, generator, checkpoint
+    )
+    logits = lm_head(params, cfg, hidden)
+    return (logits, aux) if return_aux else logits
+
+
+def hidden_states(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+    lora: dict | None = None,
+    neftune_alpha: float = 0.0,
+    generator: torch.Generator | None = None,
+    checkpoint: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward` up to its head: (final normed hidden [B, T, hidden], MoE aux loss)."""
     if positions is None:
         positions = default_positions(tokens)
     if doc_ids is not None:
         mask = document_mask(doc_ids, cfg.model_type == "decoder")
     x = embed(params, cfg, tokens, neftune_alpha, generator)
-    hidden, aux = decode_layers(params, cfg, x, positions, mask, lora=lora, checkpoint=checkpoint)
-    logits = lm_head(params, cfg, hidden)
-    return (logits, aux) if return_aux else logits
+    return decode_layers(params, cfg, x, positions, mask, lora=lora, checkpoint=checkpoint)
 
 
 # --- a contiguous KV cache for incremental decoding ------------------------------------

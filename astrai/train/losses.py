@@ -12,26 +12,51 @@ import torch
 import torch.nn.functional as F
 
 from astrai.config import LossConfig, ModelConfig
-from astrai.model import IGNORE, forward, token_logps
+from astrai.model import IGNORE, forward, hidden_states, lm_head, token_logps
+from astrai.train.head_loss import fused_head_applies, head_cross_entropy_sum
 
 
 def _forward(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkpoint, generator):
     """Logits in float32 and the MoE aux term already scaled by its coefficient."""
-    logits, aux = forward(
+    hidden, aux_term = _hidden(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+    return lm_head(params, cfg, hidden).float(), aux_term
+
+
+def _hidden(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkpoint, generator):
+    """The final hidden states and the MoE aux term already scaled by its coefficient."""
+    hidden, aux = hidden_states(
         params,
         cfg,
         ids,
         positions=batch.get("positions"),
         doc_ids=batch.get("doc_ids"),
         lora=lora,
-        return_aux=True,
         neftune_alpha=opts.neftune_alpha,
         generator=generator,
         checkpoint=checkpoint,
     )
     coef = cfg.router_aux_loss_coef if opts.aux_loss_coef is None else opts.aux_loss_coef
     aux_term = coef * aux if cfg.ffn_type == "moe" else None
-    return logits.float(), aux_term
+    return hidden, aux_term
+
+
+def _cross_entropy_sum(params, cfg, ids, labels, batch, opts, lora, checkpoint, generator):
+    """The summed next-token cross-entropy over the labelled positions, and the aux term. In
+    eager steps the head and the loss run as one chunked function (astrai/train/head_loss.py):
+    the same maths without the passes over [tokens, vocabulary] float32 tensors."""
+    head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
+    if fused_head_applies(cfg, head):
+        hidden, aux_term = _hidden(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+        return head_cross_entropy_sum(hidden, head, labels, opts.label_smoothing), aux_term
+    logits, aux_term = _forward(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+    total = F.cross_entropy(
+        logits.flatten(0, 1),
+        labels.flatten(),
+        ignore_index=IGNORE,
+        label_smoothing=opts.label_smoothing,
+        reduction="sum",
+    )
+    return total, aux_term
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -63,13 +88,8 @@ def seq_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=No
     """Next-token cross entropy with label smoothing; labels default to the shifted inputs."""
     ids = batch["input_ids"]
     labels = batch["labels"] if "labels" in batch else shifted_labels(ids)
-    logits, aux_term = _forward(params, cfg, ids, batch, opts, lora, checkpoint, generator)
-    total = F.cross_entropy(
-        logits.flatten(0, 1),
-        labels.flatten(),
-        ignore_index=IGNORE,
-        label_smoothing=opts.label_smoothing,
-        reduction="sum",
+    total, aux_term = _cross_entropy_sum(
+        params, cfg, ids, labels, batch, opts, lora, checkpoint, generator
     )
     count = (labels != IGNORE).sum()
     loss = total / count.clamp(min=1)

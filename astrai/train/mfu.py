@@ -1,6 +1,7 @@
 """Model flops utilisation: the model's training flops per second over the machine's peak
-matrix-product rate for the dtype, as `just bench` measures it (the best of five square
-1024 x 1024 products, in the same process, on the same threads).
+matrix-product rate for the dtype at the run's thread count: the best rate of square 1024 x
+1024 products this machine has shown, kept between runs (astrai/train/matmul_peak.py says why
+one measurement under load is not enough, and what an MFU over 100% means).
 
 Training flops per token are the usual estimate (Kaplan et al. 2020, PaLM's appendix B):
 6 per weight of every matrix the token passes through (forward 2, backward 4; the embedding
@@ -12,14 +13,15 @@ counts every expert, which overstates a sparse step.
 
 from __future__ import annotations
 
-import functools
 import math
-import time
 
 import torch
 
 from astrai.config import ModelConfig
 from astrai.model import param_shapes
+from astrai.train.matmul_peak import matmul_peak_gflops, refreshed_peak_gflops
+
+__all__ = ["matmul_peak_gflops", "mfu", "run_mfu", "seq_len_of", "train_flops_per_token"]
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -33,39 +35,18 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matrices + 12.0 * attention
 
 
-@functools.cache
-def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 1024) -> float:
-    """The best of five n x n products in `dtype` on `device`, in GFLOP/s; measured once per
-    process and dtype (about 0.1 s in float32 on two CPU cores)."""
-    a = torch.rand(n, n, device=device).to(dtype)
-    b = torch.rand(n, n, device=device).to(dtype)
-    a @ b  # first touch: page faults and kernel selection are not speed
-    best = math.inf
-    for _ in range(5):
-        _sync(device)
-        started = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - started)
-    return 2 * n**3 / best / 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_mfu(
     tokens_per_s: float, cfg: ModelConfig, batch: dict, precision: str, device
 ) -> float | None:
     """The MFU of a run training `cfg` on batches shaped like `batch` in `precision`; None for
-    a batch without token ids (a custom source's), whose length it cannot know."""
+    a batch without token ids (a custom source's), whose length it cannot know. Each call
+    times one more product, so the peak rises to the quietest moment of the run."""
     seq_len = seq_len_of(batch)
     if seq_len is None:
         return None
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     flops = train_flops_per_token(cfg, seq_len)
-    return mfu(tokens_per_s, flops, matmul_peak_gflops(torch.device(device), dtype))
+    return mfu(tokens_per_s, flops, refreshed_peak_gflops(torch.device(device), dtype))
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_gflops: float) -> float:

@@ -42,8 +42,9 @@ def weights_read_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) 
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 1024) -> float:
-    """Peak-ish matmul speed: the best of five square n x n products, in GFLOP/s; the same
-    measurement `just train`'s MFU divides by (astrai.train.mfu)."""
+    """Peak matmul speed in GFLOP/s: the best rate of square n x n products this machine has
+    shown at this thread count (astrai.train.matmul_peak: measured now, never below the
+    record), the same peak `just train`'s MFU divides by."""
     return matmul_peak_gflops(device, dtype, n)
 
 

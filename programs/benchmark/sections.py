@@ -562,8 +562,8 @@ def train(b: Bench) -> None:
 def _train_precision_rows(b: Bench, rates: dict[str, list[float]], length: int) -> None:
     """bf16 against float32 on our side, and each side's model flops utilisation: training
     flops per token (astrai.train.mfu: 6 per matrix weight plus the attention products) times
-    tokens/s over the matmul peak measured here and now for the row's dtype, the same figure
-    `just train` prints. bf16 is measured only where its rows ran (where it is native)."""
+    tokens/s over the machine's matmul peak for the row's dtype (the best rate recorded on
+    it, astrai.train.matmul_peak), the same figure `just train` prints. bf16 is measured only where its rows ran (where it is native)."""
     from astrai.train.mfu import matmul_peak_gflops, mfu, train_flops_per_token
 
     dtypes = {torch.bfloat16 if name.endswith("_bf16") else torch.float32 for name in rates}

@@ -19,7 +19,8 @@ def test_train_flops_count_every_matrix_and_the_attention_products():
     assert train_flops_per_token(TINY, 16) == expected
 
 
-def test_mfu_is_the_share_of_the_measured_peak():
+def test_mfu_is_the_share_of_the_measured_peak(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the record of its own
     peak = matmul_peak_gflops(torch.device("cpu"), torch.float32)
     assert peak > 0 and matmul_peak_gflops(torch.device("cpu"), torch.float32) == peak  # once
     assert mfu(1000.0, 2e6, 4.0) == 0.5
@@ -27,7 +28,8 @@ def test_mfu_is_the_share_of_the_measured_peak():
     assert seq_len_of({"features": torch.zeros(2, 7)}) is None  # no ids: no MFU
 
 
-def test_the_progress_line_and_the_metrics_show_mfu(tmp_path):
+def test_the_progress_line_and_the_metrics_show_mfu(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     line = progress_line(5, 10, {"loss": 1.0, "lr": 1e-3, "mfu": 0.123}, 1000.0, 3.0)
     assert "MFU 12.3%" in line
     train(tiny_train_config(out_dir=str(tmp_path), max_steps=4, log_every=2))
