@@ -103,6 +103,21 @@ def _recording(proposer, proposals: list):
     return Recording()
 
 
+_QUIET = []  # the ctypes callback must outlive every call into llama.cpp
+
+
+def _quiet_logs() -> None:
+    """llama.cpp's log lines go nowhere. As astrai.export.llamacpp.quiet_logs, without
+    importing astrai (and torch): a side process starts in a second, not in several."""
+    import ctypes
+
+    import llama_cpp
+
+    if not _QUIET:
+        _QUIET.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+        llama_cpp.llama_log_set(_QUIET[0], ctypes.c_void_p(0))
+
+
 def load_llamacpp_side(spec: dict):
     """(every Llama loaded, the target's first; the list its proposals are recorded in) for a
     side's spec: "kind"
@@ -111,9 +126,7 @@ def load_llamacpp_side(spec: dict):
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from astrai.export.llamacpp import quiet_logs
-
-    quiet_logs()
+    _quiet_logs()
     common = {
         "n_ctx": spec["n_ctx"],
         "n_threads": spec["threads"],
@@ -274,7 +287,7 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
 
     lookup, draft = specs["lookup"], specs["draft"]
     n, k = lookup["workload"]["new_tokens"], lookup["settings"]["speculative_k"]
-    ngram = lookup["settings"].get("lookup_ngram", EngineConfig.lookup_ngram)
+    ngram = lookup["settings"].get("lookup_ngram", EngineConfig().lookup_ngram)
     rounds = b.work.rounds + 1
     cases = {  # kind of speculation -> (prompts, traffic)
         "lookup": (grounded_prompts(rounds * per_round, n), "grounded"),
@@ -310,5 +323,4 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # astrai, run as a script
     serve_side(json.loads(sys.argv[1]))
