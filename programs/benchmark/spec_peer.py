@@ -207,9 +207,8 @@ def llamacpp_specs(target: Path, draft: Path, k: int, ngram: int, threads: int, 
     next to their weights when missing or older)."""
     from .peer_llamacpp import export_models
 
-    files = {name: export_models(folder, ("F32",))["F32"] for name, folder in
-             (("model", target), ("draft", draft))}  # fmt: skip
-    base = {**{n: str(p) for n, p in files.items()}, "k": k, "ngram": ngram}
+    model, draft_model = (export_models(folder, ("F32",))["F32"] for folder in (target, draft))
+    base = {"model": str(model), "draft": str(draft_model), "k": k, "ngram": ngram}
     base |= {"threads": threads, "n_ctx": n_ctx}
     return {f"llama.cpp {kind}": {**base, "kind": kind} for kind in SIDES}
 
@@ -236,8 +235,8 @@ def measure_batch1(b, processes: dict, names: tuple[str, ...], batches, n: int):
 
 
 def speculation_figures(counts: dict) -> str:
-    """ "acceptance A, T tokens/verification" of a side's counts."""
-    steps, proposed, kept = (counts.get(k, 0) for k in ("spec_steps", "spec_proposed", "spec_accepted"))  # fmt: skip
+    """A side's acceptance rate and tokens per verification, in words, from its counts."""
+    steps, proposed, kept = (counts.get(f"spec_{c}", 0) for c in ("steps", "proposed", "accepted"))
     acceptance = kept / proposed if proposed else 0.0
     per_step = (steps + kept) / steps if steps else 1.0
     return f"acceptance {acceptance:.2f}, {per_step:.2f} tokens/verification"
@@ -305,7 +304,7 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
         f"num_pred_tokens={k}) (n-grams down to 1, earliest match; ours: down to 2, latest); "
         f"draft: the draft's GGUF decoding {k} greedy tokens; K/V in float16 (llama.cpp's "
         "default), flash attention on; the binding does not expose extra buffer types, which "
-        "repack quantised weights only"
+        "take no tensor of an F32 file (llama.cpp's load log: they cannot use CPU_REPACK)"
     )
     with contextlib.ExitStack() as stack:
         processes = {name: stack.enter_context(llamacpp_side(spec)) for name, spec in peers.items()}
@@ -318,8 +317,11 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
             names = (ours, theirs, "llama.cpp plain")
             measured = measure_batch1(b, processes, names, batches, n)
             label = f"{kind} k={k}, batch 1, {traffic}"
-            b.rows.append(peer_row(b, f"llama.cpp {label}", (theirs, "llama.cpp plain"), measured, batches))  # fmt: skip
-            b.rows.append(peer_row(b, f"ours vs llama.cpp, {label}", (ours, theirs), measured, batches))  # fmt: skip
+            for name, pair in (
+                (f"llama.cpp {label}", (theirs, "llama.cpp plain")),  # what it gains llama.cpp
+                (f"ours vs llama.cpp, {label}", (ours, theirs)),  # the absolute comparison
+            ):
+                b.rows.append(peer_row(b, name, pair, measured, batches))
 
 
 if __name__ == "__main__":
