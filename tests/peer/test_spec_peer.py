@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from benchmark.spec_peer import SIDES, kept_tokens, llamacpp_side
+from benchmark.spec_peer import SIDES, kept_tokens, llamacpp_side, peer_row
 
 import astrai as ai
 from astrai.export import save_gguf
@@ -41,6 +41,32 @@ def test_kept_tokens_counts_leading_matches_within_the_sequence():
     ]
     assert kept_tokens(proposals, sequence) == (3 + 2 + 1, 2 + 0 + 1)
     assert kept_tokens([], sequence) == (0, 0)
+
+
+class Log:
+    def log(self, text: str) -> None:
+        pass
+
+
+def test_peer_row_pairs_rounds_and_leaves_parting_sides_unchecked():
+    batches = [[[9]], [[1, 2]], [[3]]]  # round r's requests are batches[r + 1]; [0] warms up
+    counts = {"spec_steps": 4, "spec_proposed": 8, "spec_accepted": 4}
+    rates = {"spec": [30.0, 50.0, 10.0], "plain": [10.0, 10.0, 10.0]}
+    same = {0: [[5, 6, 7]], 1: [[8, 9, 10]]}
+    parted = {0: [[5, 6, 7]], 1: [[8, 0, 10]]}  # the second request parts after one token
+    outputs = {"spec": same, "plain": parted}
+    row = peer_row(
+        Log(), "x", ("spec", "plain"), (rates, outputs, {"spec": counts, "plain": {}}), batches
+    )
+    assert row["ratio"] == 3.0 and row["ratio_range"] == [1.0, 5.0]
+    assert "acceptance 0.50, 2.00 tokens/verification" in row["name"]
+    assert row["agreement"] == pytest.approx((1 + 1 / 3) / 2)
+    assert row["verdict"] == "unchecked"  # llama.cpp's rounding cannot be reproduced here
+    outputs["plain"] = same
+    row = peer_row(
+        Log(), "x", ("spec", "plain"), (rates, outputs, {"spec": counts, "plain": {}}), batches
+    )
+    assert row["agreement"] == 1.0 and row["verdict"] == "comparable"
 
 
 def _gguf(folder, seed: int) -> str:
