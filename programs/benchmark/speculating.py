@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import spec_peer
 from .models import Workload
 from .report import compare
 from .spec_models import (
@@ -192,6 +193,7 @@ def speculation(b) -> None:
             else:
                 rates, outputs, counts = _rates_and_counts(b, processes, pair, batches, n)
             b.rows.append(_row(b, label, pair, rates, outputs, counts, batches))
+    spec_peer.peer_speculation(b, specs, per_round)  # with --peer llama.cpp: its rows too
 
 
 def _groups(prompts: list[list[int]], rounds: int) -> list[list[list[int]]]:
