@@ -213,27 +213,6 @@ def llamacpp_specs(target: Path, draft: Path, k: int, ngram: int, threads: int, 
     return {f"llama.cpp {kind}": {**base, "kind": kind} for kind in SIDES}
 
 
-def _one_by_one(process, n: int):
-    """requests -> n greedy tokens each, each request sent alone after the previous one."""
-    return lambda requests: [process.generate([r], n)[0] for r in requests]
-
-
-def measure_batch1(b, processes: dict, names: tuple[str, ...], batches, n: int):
-    """Interleaved rounds of the named sides, each request alone, on batches[1:] (batches[0]
-    warms up) -> (rates, outputs, {name: counts during the measured rounds})."""
-    calls = {name: _one_by_one(processes[name], n) for name in names}
-    for call in calls.values():
-        call(batches[0])
-    before = {name: dict(processes[name].counts) for name in names}
-    outputs: dict = {}
-    rates = b.measure(calls, batches, n * len(batches[1]), outputs, warm_up=False)
-    counts = {
-        name: {k: v - before[name].get(k, 0) for k, v in processes[name].counts.items()}
-        for name in names
-    }
-    return rates, outputs, counts
-
-
 def speculation_figures(counts: dict) -> str:
     """A side's acceptance rate and tokens per verification, in words, from its counts."""
     steps, proposed, kept = (counts.get(f"spec_{c}", 0) for c in ("steps", "proposed", "accepted"))
@@ -283,6 +262,7 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
 
     from .isolated import side_process
     from .spec_models import chat_prompts, grounded_prompts
+    from .speculating import rates_and_counts
 
     lookup, draft = specs["lookup"], specs["draft"]
     n, k = lookup["workload"]["new_tokens"], lookup["settings"]["speculative_k"]
@@ -315,7 +295,7 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
             ours, theirs = f"engine {kind}", f"llama.cpp {kind}"
             batches = _rounds_of(prompts, rounds, per_round)
             names = (ours, theirs, "llama.cpp plain")
-            measured = measure_batch1(b, processes, names, batches, n)
+            measured = rates_and_counts(b, processes, names, batches, n, alone=True)
             label = f"{kind} k={k}, batch 1, {traffic}"
             for name, pair in (
                 (f"llama.cpp {label}", (theirs, "llama.cpp plain")),  # what it gains llama.cpp

@@ -59,14 +59,19 @@ def _spec(b, folder, work: Workload, settings: dict) -> dict:
     }
 
 
-def _rates_and_counts(b, processes, names, batches, n) -> tuple[dict, dict, dict]:
+def rates_and_counts(b, processes, names, batches, n, alone=False) -> tuple[dict, dict, dict]:
     """Interleaved rounds of the named sides on batches[1:] (batches[0] warms up) -> (rates,
-    outputs, {name: counts during the measured rounds})."""
-    calls: dict[str, Callable] = {
-        name: (lambda batch, p=processes[name]: p.generate(batch, n)) for name in names
-    }
-    for call in calls.values():
-        call(batches[0])
+    outputs, {name: counts during the measured rounds}). alone: each request of a round is
+    sent by itself after the previous one (batch 1), else a round's requests run together."""
+
+    def call(process):
+        if alone:
+            return lambda batch: [process.generate([r], n)[0] for r in batch]
+        return lambda batch: process.generate(batch, n)
+
+    calls: dict[str, Callable] = {name: call(processes[name]) for name in names}
+    for warm_up in calls.values():
+        warm_up(batches[0])
     before = {name: dict(processes[name].counts) for name in names}
     outputs: dict = {}
     rates = b.measure(calls, batches, n * len(batches[1]), outputs, warm_up=False)
@@ -186,34 +191,11 @@ def speculation(b) -> None:
     with side_processes(specs, torch.get_num_threads()) as processes:
         for spec_side, label, batches, one_at_a_time in cases:
             pair = (spec_side, "plain")
-            if one_at_a_time:  # batch 1: each request alone, one after another
-                batches = [[[p] for p in batch] for batch in batches]
-                rates, outputs, counts = _batch1(b, processes, pair, batches, n)
-                batches = [[p[0] for p in batch] for batch in batches]
-            else:
-                rates, outputs, counts = _rates_and_counts(b, processes, pair, batches, n)
-            b.rows.append(_row(b, label, pair, rates, outputs, counts, batches))
+            measured = rates_and_counts(b, processes, pair, batches, n, alone=one_at_a_time)
+            b.rows.append(_row(b, label, pair, *measured, batches))
     spec_peer.peer_speculation(b, specs, per_round)  # with --peer llama.cpp: its rows too
 
 
 def _groups(prompts: list[list[int]], rounds: int) -> list[list[list[int]]]:
     size = len(prompts) // rounds
     return [prompts[i * size : (i + 1) * size] for i in range(rounds)]
-
-
-def _batch1(b, processes, pair, batches, n):
-    """Like _rates_and_counts, each request of a round sent alone after the previous one."""
-
-    class OneByOne:
-        def __init__(self, process):
-            self.process = process
-
-        @property
-        def counts(self):
-            return self.process.counts
-
-        def generate(self, requests, new_tokens):
-            return [self.process.generate(r, new_tokens)[0] for r in requests]
-
-    wrapped = {name: OneByOne(processes[name]) for name in pair}
-    return _rates_and_counts(b, wrapped, pair, batches, n)
