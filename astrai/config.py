@@ -801,8 +801,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass: less memory, more compute."""
     grad_engine: Literal["auto", "func", "autograd"] = "auto"  # see docs/training.md
-    """How gradients are taken: torch.func when compiling, torch.autograd in eager mode (faster
-    there), or the one named."""
+    """How gradients are taken: torch.autograd (the compiled layers run under it, and in eager
+    mode it is the faster), or the one named (torch.func's "func" never compiles)."""
     max_bad_steps: int = 10
     """Consecutive steps with a non-finite loss or gradient (each skipped) before training
     stops."""

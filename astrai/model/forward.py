@@ -13,6 +13,7 @@ from astrai.model.layers import Params, gated_mlp, norm, project
 from astrai.model.moe import moe
 from astrai.model.params import BLOCK_NORMS
 from astrai.model.rope import rope_tables
+from astrai.model.shared_layer import run_shared
 
 
 def embed(
@@ -69,6 +70,7 @@ def decode_layers(
     lora: dict | None = None,
     checkpoint: bool = False,
     sliding: torch.Tensor | None = None,
+    compiled_layer=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every layer over embeddings x [B, T, hidden] -> (final normed hidden, MoE aux loss).
 
@@ -76,7 +78,11 @@ def decode_layers(
     (encoder) attention over the T new tokens. kv_store decides what the layers attend over.
     sliding: the mask of the sliding-window layers (see window_mask). Not given, the T tokens
     attend among themselves and the window counts their indices.
+    compiled_layer: compile_layer()'s function, to run every layer through one compiled graph
+    (astrai/model/shared_layer.py); only over the new tokens (the identity KV store).
     """
+    if compiled_layer is not None and (checkpoint or kv_store is not identity_store):
+        raise ValueError("compiled_layer runs without checkpointing and without a KV store")
     causal = cfg.model_type == "decoder"
     if cfg.has_sliding_layers and sliding is None:
         T = x.shape[1]
@@ -93,13 +99,22 @@ def decode_layers(
         layer_mask, layer_rope = (sliding, local) if slides else (mask, rope)
         layer_rope = None if i in cfg.nope_layers else layer_rope
         args = (params, cfg, i, x, layer_rope, kv_store, layer_mask, causal, lora)
-        if checkpoint:
+        if compiled_layer is not None:
+            rest = (x, layer_rope, kv_store, layer_mask, causal)
+            x, layer_aux = run_shared(compiled_layer, params, cfg, i, *rest, lora=lora)
+        elif checkpoint:
             x, layer_aux = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
         else:
             x, layer_aux = _layer(*args)
         if layer_aux is not None:  # dense layers add nothing: two ops a layer saved
             aux = aux + layer_aux
     return norm(params, cfg, "model.norm.weight", x), aux
+
+
+def compile_layer():
+    """A fresh torch.compile of one decoder layer, for decode_layers(compiled_layer=): shapes
+    static, and the graph whole (a break would run the layer eagerly without a word)."""
+    return torch.compile(_layer, dynamic=False, fullgraph=True)
 
 
 def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
@@ -153,14 +168,26 @@ def forward(
     neftune_alpha: float = 0.0,
     generator: torch.Generator | None = None,
     checkpoint: bool = False,
+    compiled_layer=None,
 ):
     """tokens [B, T] -> logits [B, T, vocab] (and the MoE aux loss when return_aux).
 
     positions [B, T] default to 0..T-1; doc_ids [B, T] restrict attention to each document
     of a packed sequence; mask is an explicit bool [B, 1, T, T] (True = may attend).
+    compiled_layer: compile_layer()'s function, run for every layer (see decode_layers).
     """
     hidden, aux = hidden_states(
-        params, cfg, tokens, positions, mask, doc_ids, lora, neftune_alpha, generator, checkpoint
+        params,
+        cfg,
+        tokens,
+        positions,
+        mask,
+        doc_ids,
+        lora,
+        neftune_alpha,
+        generator,
+        checkpoint,
+        compiled_layer,
     )
     logits = lm_head(params, cfg, hidden)
     return (logits, aux) if return_aux else logits
@@ -177,6 +204,7 @@ def hidden_states(
     neftune_alpha: float = 0.0,
     generator: torch.Generator | None = None,
     checkpoint: bool = False,
+    compiled_layer=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward` up to its head: (final normed hidden [B, T, hidden], MoE aux loss)."""
     if positions is None:
@@ -184,7 +212,16 @@ def hidden_states(
     if doc_ids is not None:
         mask = document_mask(doc_ids, cfg.model_type == "decoder")
     x = embed(params, cfg, tokens, neftune_alpha, generator)
-    return decode_layers(params, cfg, x, positions, mask, lora=lora, checkpoint=checkpoint)
+    return decode_layers(
+        params,
+        cfg,
+        x,
+        positions,
+        mask,
+        lora=lora,
+        checkpoint=checkpoint,
+        compiled_layer=compiled_layer,
+    )
 
 
 # --- a contiguous KV cache for incremental decoding ------------------------------------

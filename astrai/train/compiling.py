@@ -1,5 +1,6 @@
-"""Whether a run compiles its gradient function (`compile = "auto" | true | false`), and
-`torch.compile` with a fallback to eager, its compile time reported and its work cached on disk.
+"""Whether a run compiles (`compile = "auto" | true | false`: its decoder layer, one graph that
+runs every layer, astrai/model/shared_layer.py), and a compiled function with a fallback to
+eager, its compile time reported and its work cached on disk.
 
 "auto" compiles where it can win: a run of at least `AUTO_MIN_STEPS` steps (compiling takes
 tens of seconds on a CPU, which a short run cannot earn back), fixed batch shapes (GRPO's
@@ -81,7 +82,7 @@ def should_compile(train_cfg: TrainConfig, device: torch.device) -> bool:
         return False
     missing = compiler_missing(device)
     if missing:
-        _note(f"astrai: compile = auto: {missing}; training runs in eager mode")
+        note(f"astrai: compile = auto: {missing}; training runs in eager mode")
         return False
     return True
 
@@ -109,19 +110,18 @@ def cache_outcome(before: dict[str, int]) -> str:
     return "caches off"
 
 
-def _note(line: str) -> None:
+def note(line: str) -> None:
+    """line on stderr, once per process."""
     if line not in _NOTED:
         _NOTED.add(line)
         print(line, file=sys.stderr, flush=True)
 
 
-def compiled(fn, what: str = "the gradient function"):
-    """torch.compile(fn), falling back to eager (with one clear message) if compiling fails;
-    the first call, which compiles (or reads the cache), is timed and reported."""
+def compiled(fast, eager, what: str = "the decoder layer"):
+    """fast (a function that runs torch.compile'd code), falling back to eager, the same
+    function without it, if compiling fails (with one clear message); the first call, which
+    compiles (or reads the cache), is timed and reported."""
     use_user_cache_dir()
-    # fullgraph: a graph break inside a torch.func transform would silently run it all eagerly;
-    # failing loudly leads to the message below instead.
-    traced = torch.compile(fn, dynamic=False, fullgraph=True)
     use_eager, first = False, True
 
     def run(*args):
@@ -129,9 +129,8 @@ def compiled(fn, what: str = "the gradient function"):
         if not use_eager:
             started, hits_before = time.perf_counter(), cache_counts()
             try:
-                # RoPE reads the largest position as a Python int; let it stay in the graph.
                 with torch._dynamo.config.patch(capture_scalar_outputs=True):
-                    out = traced(*args)
+                    out = fast(*args)
             except Exception as exc:  # a missing compiler or backend shows up on the first call
                 use_eager = True
                 print(
@@ -150,6 +149,6 @@ def compiled(fn, what: str = "the gradient function"):
                         flush=True,
                     )
                 return out
-        return fn(*args)
+        return eager(*args)
 
     return run

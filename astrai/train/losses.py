@@ -16,13 +16,37 @@ from astrai.model import IGNORE, forward, hidden_states, lm_head, token_logps
 from astrai.train.head_loss import fused_head_applies, head_cross_entropy_sum
 
 
-def _forward(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkpoint, generator):
-    """Logits in float32 and the MoE aux term already scaled by its coefficient."""
-    hidden, aux_term = _hidden(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+def _forward(
+    params,
+    cfg: ModelConfig,
+    ids,
+    batch,
+    opts: LossConfig,
+    lora,
+    checkpoint,
+    generator,
+    compiled_layer,
+):
+    """Logits in float32 and the MoE aux term already scaled by its coefficient.
+    compiled_layer: the compiled function every layer runs through, or None (see
+    astrai.model.forward.compile_layer)."""
+    hidden, aux_term = _hidden(
+        params, cfg, ids, batch, opts, lora, checkpoint, generator, compiled_layer
+    )
     return lm_head(params, cfg, hidden).float(), aux_term
 
 
-def _hidden(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkpoint, generator):
+def _hidden(
+    params,
+    cfg: ModelConfig,
+    ids,
+    batch,
+    opts: LossConfig,
+    lora,
+    checkpoint,
+    generator,
+    compiled_layer,
+):
     """The final hidden states and the MoE aux term already scaled by its coefficient."""
     hidden, aux = hidden_states(
         params,
@@ -34,21 +58,28 @@ def _hidden(params, cfg: ModelConfig, ids, batch, opts: LossConfig, lora, checkp
         neftune_alpha=opts.neftune_alpha,
         generator=generator,
         checkpoint=checkpoint,
+        compiled_layer=compiled_layer,
     )
     coef = cfg.router_aux_loss_coef if opts.aux_loss_coef is None else opts.aux_loss_coef
     aux_term = coef * aux if cfg.ffn_type == "moe" else None
     return hidden, aux_term
 
 
-def _cross_entropy_sum(params, cfg, ids, labels, batch, opts, lora, checkpoint, generator):
+def _cross_entropy_sum(
+    params, cfg, ids, labels, batch, opts, lora, checkpoint, generator, compiled_layer
+):
     """The summed next-token cross-entropy over the labelled positions, and the aux term. In
     eager steps the head and the loss run as one chunked function (astrai/train/head_loss.py):
     the same maths without the passes over [tokens, vocabulary] float32 tensors."""
     head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
     if fused_head_applies(cfg, head):
-        hidden, aux_term = _hidden(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+        hidden, aux_term = _hidden(
+            params, cfg, ids, batch, opts, lora, checkpoint, generator, compiled_layer
+        )
         return head_cross_entropy_sum(hidden, head, labels, opts.label_smoothing), aux_term
-    logits, aux_term = _forward(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+    logits, aux_term = _forward(
+        params, cfg, ids, batch, opts, lora, checkpoint, generator, compiled_layer
+    )
     total = F.cross_entropy(
         logits.flatten(0, 1),
         labels.flatten(),
@@ -84,12 +115,14 @@ def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def seq_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=None):
+def seq_loss(
+    params, cfg, batch, opts, lora=None, checkpoint=False, generator=None, compiled_layer=None
+):
     """Next-token cross entropy with label smoothing; labels default to the shifted inputs."""
     ids = batch["input_ids"]
     labels = batch["labels"] if "labels" in batch else shifted_labels(ids)
     total, aux_term = _cross_entropy_sum(
-        params, cfg, ids, labels, batch, opts, lora, checkpoint, generator
+        params, cfg, ids, labels, batch, opts, lora, checkpoint, generator, compiled_layer
     )
     count = (labels != IGNORE).sum()
     loss = total / count.clamp(min=1)
@@ -97,12 +130,14 @@ def seq_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=No
     return _with_aux(loss, aux_term, metrics)
 
 
-def sft_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=None):
+def sft_loss(
+    params, cfg, batch, opts, lora=None, checkpoint=False, generator=None, compiled_layer=None
+):
     """Supervised fine-tuning: the same cross entropy, only on the tokens whose labels are set
     (the assistant's turns); labels are required because the prompt must not be trained on."""
     if "labels" not in batch:
         raise ValueError("sft batches need 'labels' (-100 on prompt tokens)")
-    return seq_loss(params, cfg, batch, opts, lora, checkpoint, generator)
+    return seq_loss(params, cfg, batch, opts, lora, checkpoint, generator, compiled_layer)
 
 
 # --- direct preference optimisation ----------------------------------------------------------
@@ -121,7 +156,9 @@ def stack_pairs(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def dpo_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=None):
+def dpo_loss(
+    params, cfg, batch, opts, lora=None, checkpoint=False, generator=None, compiled_layer=None
+):
     """DPO (Rafailov et al.) with conservative label smoothing, or IPO (Azar et al.).
 
     Needs "ref_chosen_logps" / "ref_rejected_logps" [B] from the frozen reference model
@@ -132,7 +169,9 @@ def dpo_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=No
             "dpo batches need ref_chosen_logps/ref_rejected_logps (with_reference_logps)"
         )
     ids, labels = stack_pairs(batch)
-    logits, aux_term = _forward(params, cfg, ids, {}, opts, lora, checkpoint, generator)
+    logits, aux_term = _forward(
+        params, cfg, ids, {}, opts, lora, checkpoint, generator, compiled_layer
+    )
     policy_chosen, policy_rejected = sequence_logps(logits, labels, opts.logp_reduction).chunk(2)
     chosen = policy_chosen - batch["ref_chosen_logps"]
     rejected = policy_rejected - batch["ref_rejected_logps"]
@@ -186,7 +225,9 @@ def with_advantages(batch: dict, opts: LossConfig) -> dict:
     return {**batch, "advantages": adv}
 
 
-def grpo_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=None):
+def grpo_loss(
+    params, cfg, batch, opts, lora=None, checkpoint=False, generator=None, compiled_layer=None
+):
     """GRPO (Shao et al.): clipped policy ratio against the rollout policy times the advantage,
     plus beta * KL to the reference model with the k3 estimator exp(d) - d - 1, d = ref - new.
 
@@ -194,7 +235,9 @@ def grpo_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=N
     """
     batch = with_advantages(batch, opts)
     ids, labels = batch["input_ids"], batch["labels"]
-    logits, aux_term = _forward(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+    logits, aux_term = _forward(
+        params, cfg, ids, batch, opts, lora, checkpoint, generator, compiled_layer
+    )
     mask = (labels != IGNORE).float()
     logp = token_logps(logits, labels)
     old = batch.get("old_logps")
@@ -227,13 +270,25 @@ def grpo_loss(params, cfg, batch, opts, lora=None, checkpoint=False, generator=N
 # --- distillation -----------------------------------------------------------------------------
 
 
-def distill_loss(params, cfg, batch, opts, distill, lora=None, checkpoint=False, generator=None):
+def distill_loss(
+    params,
+    cfg,
+    batch,
+    opts,
+    distill,
+    lora=None,
+    checkpoint=False,
+    generator=None,
+    compiled_layer=None,
+):
     """(1 - ce_weight) x KL(teacher || student) + ce_weight x cross entropy, both the mean over
     the positions that have a label; batch["teacher_logps"] [B, T, vocab] holds the teacher's
     log-probabilities at distill.temperature (distill.py adds them)."""
     ids = batch["input_ids"]
     labels = batch["labels"] if "labels" in batch else shifted_labels(ids)
-    logits, aux_term = _forward(params, cfg, ids, batch, opts, lora, checkpoint, generator)
+    logits, aux_term = _forward(
+        params, cfg, ids, batch, opts, lora, checkpoint, generator, compiled_layer
+    )
     mask = labels != IGNORE
     count = mask.sum()
     teacher = batch["teacher_logps"][mask]
@@ -266,11 +321,15 @@ def loss_fn(
     lora: dict | None = None,
     checkpoint: bool = False,
     generator: torch.Generator | None = None,
+    compiled_layer=None,
 ):
-    """The training objective of `kind` ("seq", "sft", "dpo", "grpo") -> (loss, metrics)."""
+    """The training objective of `kind` ("seq", "sft", "dpo", "grpo") -> (loss, metrics).
+    compiled_layer: astrai.model.forward.compile_layer()'s function, run for every layer, or None."""
     if kind not in LOSSES:
         raise ValueError(f"kind must be one of {sorted(LOSSES)}, got {kind!r}")
-    return LOSSES[kind](params, cfg, batch, opts or LossConfig(), lora, checkpoint, generator)
+    return LOSSES[kind](
+        params, cfg, batch, opts or LossConfig(), lora, checkpoint, generator, compiled_layer
+    )
 
 
 @torch.no_grad()

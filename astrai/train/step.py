@@ -17,7 +17,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from astrai.config import ModelConfig, TrainConfig
-from astrai.train.compiling import compiled, should_compile
+from astrai.model.forward import compile_layer
+from astrai.train.compiling import compiled, note, should_compile
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import distill_loss, loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
@@ -33,8 +34,9 @@ class TrainingDiverged(RuntimeError):
 # --- gradients ---------------------------------------------------------------------------------
 
 
-def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig):
-    """trainable -> (loss * weight, (loss, metrics)); weight-scaled so micro-batches add up."""
+def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig, compiled_layer=None):
+    """trainable -> (loss * weight, (loss, metrics)); weight-scaled so micro-batches add up.
+    compiled_layer: astrai.model.forward.compile_layer()'s function, run for every layer."""
     autocast = train_cfg.precision == "bfloat16"
 
     def objective(trainable, params, lora_scale, batch, generator):
@@ -62,6 +64,7 @@ def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig):
                     lora,
                     checkpoint,
                     generator,
+                    compiled_layer,
                 )
             else:
                 loss, metrics = loss_fn(
@@ -73,6 +76,7 @@ def _objective(model_cfg: ModelConfig, train_cfg: TrainConfig):
                     lora,
                     checkpoint,
                     generator,
+                    compiled_layer,
                 )
         loss = loss.float()
         return loss * metrics["weight"], (loss.detach(), metrics)
@@ -112,25 +116,34 @@ def grad_fn(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device
     """The (possibly compiled) gradient function for these configs, built once and reused."""
     key = msgspec.json.encode([model_cfg, train_cfg, str(device)])
     if key not in _GRAD_FNS:
-        objective = _objective(model_cfg, train_cfg)
+        engine = grad_engine(train_cfg)
+        fn = _grad_and_value(_objective(model_cfg, train_cfg), engine)
         compile_it = should_compile(train_cfg, device)
-        if grad_engine(train_cfg, compile_it) == "func":
-            fn = torch.func.grad_and_value(objective, has_aux=True)
-        else:
-            fn = _autograd_grad_and_value(objective)
-        _GRAD_FNS[key] = compiled(fn) if compile_it else fn
+        if compile_it and engine == "func":
+            note("astrai: torch.compile cannot run inside torch.func (grad_engine = func); "
+                 "training runs in eager mode")  # fmt: skip
+        elif compile_it:
+            # One decoder layer compiled and reused for every layer (model/shared_layer.py).
+            layer = compile_layer()
+            fast = _grad_and_value(_objective(model_cfg, train_cfg, layer), engine)
+            fn = compiled(fast, fn, "the decoder layer")
+        _GRAD_FNS[key] = fn
     return _GRAD_FNS[key]
 
 
-def grad_engine(train_cfg: TrainConfig, compiling: bool) -> str:
+def _grad_and_value(objective, engine: str):
+    if engine == "func":
+        return torch.func.grad_and_value(objective, has_aux=True)
+    return _autograd_grad_and_value(objective)
+
+
+def grad_engine(train_cfg: TrainConfig) -> str:
     """ "func" or "autograd". Both compute the same gradients of the same objective. "auto"
-    takes torch.func when compiling (AOTAutograd traces it into one graph) and torch.autograd
-    in eager mode, where torch.func's transform accumulates gradients out of place, which
-    costs time on CPU (docs/training.md, "Gradient engines", has the figures); activation
-    checkpointing always needs torch.autograd."""
-    if train_cfg.grad_engine != "auto":
-        return train_cfg.grad_engine
-    return "func" if compiling and not train_cfg.activation_checkpointing else "autograd"
+    takes torch.autograd: compiled layers run under it (torch.compile cannot trace inside a
+    torch.func transform), and in eager mode torch.func's transform accumulates gradients out
+    of place, which costs time on CPU (docs/training.md, "Gradient engines", has the figures);
+    activation checkpointing needs it too."""
+    return "autograd" if train_cfg.grad_engine == "auto" else train_cfg.grad_engine
 
 
 # --- the step ----------------------------------------------------------------------------------
