@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import subprocess
 import time
 import traceback
@@ -19,6 +18,7 @@ from figures import NoMatplotlib
 
 import astrai
 from astrai.model import DTYPES
+from astrai.train.matmul_peak import cpu_model
 
 from . import peer_llamacpp
 from .chart import Panel, write_chart
@@ -184,13 +184,7 @@ def _meta(opts, size, work, device, dtype, cfg, folder, missing) -> dict:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def _commit() -> str | None:
