@@ -28,7 +28,9 @@ from astrai.infer import (
 )
 from astrai.infer.speculative import discard_after, verify_forward
 
-PAGE_SIZE, NUM_PAGES, ALPHABET = 2, 96, 3  # few tokens: prompts share cached prefixes
+# Few tokens, so prompts share cached prefixes; pages for four sequences of 9 + 6 x 5 tokens
+# and their proposals, so no draw runs the pool dry (the engine's eviction is tested elsewhere).
+PAGE_SIZE, NUM_PAGES, ALPHABET, MAX_STEPS = 2, 128, 3, 6
 PARAMS, CFG = make_model("gqa")
 
 step = st.tuples(
@@ -37,7 +39,9 @@ step = st.tuples(
     st.integers(0, ALPHABET - 1),  # the target's own token after them
     st.booleans(),  # offer the accepted tokens to the prefix cache after this step
 )
-request = st.tuples(st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=9), st.lists(step))
+request = st.tuples(
+    st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=9), st.lists(step, max_size=MAX_STEPS)
+)
 
 
 class Running:
@@ -49,6 +53,7 @@ def grow(pool, seq, positions):
     need = pages_for(positions, PAGE_SIZE) - len(seq.pages)
     if need > 0:
         pool, pages = alloc_pages(pool, need)
+        assert pages is not None, f"the pool ran dry: {need} pages for {positions} positions"
         seq.pages += pages
     return pool
 
