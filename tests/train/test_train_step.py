@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from numerics import approx, assert_close, gradient_roundings
+from numerics import approx, assert_close, forward_roundings, gradient_roundings
 from tiny_run import TINY, same_tensors, tiny_train_config
 
 from astrai.model import forward, init_params, token_logps
@@ -227,3 +227,27 @@ def test_compiled_and_eager_steps_give_the_same_loss_curve(tmp_path, monkeypatch
     for i, (eager, compiled_loss) in enumerate(zip(curves[False], curves[True])):
         roundings = (i + 1) * gradient_roundings(TINY, 16, 8 * 16)
         assert compiled_loss == approx(eager, roundings)
+
+
+def test_bfloat16_keeps_float32_weights_and_moments_so_small_updates_survive():
+    # precision = "bfloat16" is mixed precision: the products run in bf16 under autocast, the
+    # weights and AdamW's moments stay float32. An update a thousandth of a weight is below
+    # bf16's resolution (2**-8 relative): stored in bf16 it would round away, in float32 it lands.
+    lr = 1e-3 * init_params(TINY, seed=0)["model.embed_tokens.weight"].abs().mean().item()
+    states = {}
+    for precision in ("float32", "bfloat16"):
+        cfg = tiny_train_config(
+            precision=precision, optimizer={"lr": lr, "weight_decay": 0.0}, compile=False
+        )
+        state = init_train_state(init_params(TINY, seed=0), cfg)
+        state, metrics = train_step(state, _batch("seq", 0))
+        states[precision] = (state, metrics["loss"])
+    (bf16, bf16_loss), f32_loss = states["bfloat16"], states["float32"][1]
+    start = init_params(TINY, seed=0)
+    tensors = [*bf16.params.values(), *bf16.opt.m.values(), *bf16.opt.v.values()]
+    assert {t.dtype for t in tensors} == {torch.float32}
+    moved = torch.cat([(bf16.params[k] != start[k]).flatten() for k in start])
+    assert moved.float().mean() > 0.9  # Adam's first step moves every weight with a gradient
+    # The forward did compute in bf16: the loss differs from float32's by bf16 rounding.
+    assert bf16_loss != f32_loss
+    assert bf16_loss == approx(f32_loss, forward_roundings(TINY, 16), torch.bfloat16)
