@@ -4,7 +4,8 @@
 
 PRODUCT is one of PRODUCTS below. For each shape, enough copies of the matrix to exceed the
 last-level cache are multiplied one after the other (as a decode step streams its weights), and
-the best of several passes is reported as GB/s of weight bytes read. "sum" reads float32
+the best of several passes is reported as GB/s of weight bytes read, per second of wall time
+and per second of the process's CPU time (on a loaded machine the first counts the waits). "sum" reads float32
 tensors of the same bytes with `a.sum()`: what this process can stream at all. Run each product
 in its own process, alternating, and compare within one run (a shared machine drifts).
 """
@@ -68,20 +69,24 @@ PRODUCTS = {
 }
 
 
-def streamed_gbps(build, shape, rows: int, passes: int = 5) -> float:
+def streamed_gbps(build, shape, rows: int, passes: int = 5) -> tuple[float, float]:
+    """(GB/s of wall time, GB/s of this process's CPU time): on a machine shared with other
+    work the CPU time is this process's own cost, the wall time also the time it waited."""
     w = torch.randn(shape) * 0.02
     nbytes, run = build(w)
     runs = [run] + [build(torch.randn(shape) * 0.02)[1] for _ in range(STREAM_BYTES // nbytes)]
     x = torch.randn(rows, shape[1])
     for r in runs:
         r(x)
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(passes):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for r in runs:
             r(x)
-        best = min(best, time.perf_counter() - start)
-    return nbytes * len(runs) / best / 1e9
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+    streamed = nbytes * len(runs) / 1e9
+    return round(streamed / wall, 2), round(streamed / cpu, 2)
 
 
 def main() -> None:
@@ -96,7 +101,7 @@ def main() -> None:
     if args.shapes != "all":
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     build = PRODUCTS[args.product]
-    result = {f"{o}x{i}": round(streamed_gbps(build, (o, i), args.rows), 2) for o, i in shapes}
+    result = {f"{o}x{i}": streamed_gbps(build, (o, i), args.rows) for o, i in shapes}
     print(
         json.dumps({"product": args.product, "threads": args.threads, "rows": args.rows, **result})
     )
