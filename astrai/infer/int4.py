@@ -111,7 +111,7 @@ def _weight_only(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
 
 def _gemv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
     nibbles, scale_bits, zero_bits = gemv.pack_int4(q, scale, zero, group)
-    return nibbles, gemv.int4_product(nibbles, scale_bits, zero_bits, group, q.shape[1])
+    return nibbles, gemv.int4_product(nibbles, scale_bits, zero_bits, group, tuple(q.shape))
 
 
 BUILDERS = {"weight_only": _weight_only, "gemv": _gemv}

@@ -94,7 +94,7 @@ def _dynamic(q: torch.Tensor, scale: torch.Tensor) -> Callable:
 
 
 def _gemv(q: torch.Tensor, scale: torch.Tensor) -> Callable:
-    return gemv.int8_product(gemv.pack_int8(q), scale, q.shape[1])
+    return gemv.int8_product(gemv.pack_int8(q), scale, tuple(q.shape))
 
 
 BUILDERS = {"weight_only": _weight_only, "dynamic": _dynamic, "gemv": _gemv}

@@ -7,11 +7,14 @@
  * register). Rows of W are split across the OpenMP threads of the libgomp torch itself loads, so
  * there is one thread pool in the process.
  *
- * Layouts (all rows padded to a multiple of 64 inputs, the padding zero):
- *   int4: nibbles uint8 [out][in/2]; each 64 inputs take 32 bytes, byte j holding input j in
- *         its low nibble and input 32 + j in its high one, so that one load unpacks into two
- *         whole blocks. scale, zero: bfloat16 bits [out][in/group]; W = (q - 8) * scale + zero.
- *   int8: int8 [out][in], one float32 scale per row; W = q * scale.
+ * Layouts (rows padded to a multiple of 64 inputs and to a multiple of 4 rows, the padding
+ * zero; `out` is the real count, only those outputs are written):
+ *   int4: nibbles uint8 in tiles of 4 rows, [out/4][in/64][4][32]: each 64 inputs of a row
+ *         take 32 bytes, byte j holding input j in its low nibble and input 32 + j in its high
+ *         one, so that one load unpacks into two whole blocks, and the 4 rows of a tile follow
+ *         each other, so that a pass over 4 rows reads one stream. scale, zero: bfloat16 bits
+ *         [out][in/group]; W = (q - 8) * scale + zero.
+ *   int8: int8 in the same tiles, [out/4][in/64][4][64]; one float32 scale per row.
  * Activations x are float32 [rows][in] (in the real width, any); y float32
  * [rows][out]. */
 #include <immintrin.h>
@@ -22,13 +25,15 @@
 
 #define BLOCK 32
 #define PAIR 64
-/* Weight rows a pass multiplies together (4 or 1). Measured streaming 4864 x 896 from memory,
- * one thread: 4 rows at a time read 4 separate streams and ran at 13-16 GB/s (int8) and 13-15
- * (int4), one row at a time 24 and 18: the hardware prefetcher follows one stream best. Four
- * rows would need the tile's rows interleaved in memory. */
-#ifndef ROWS_PER_PASS
-#define ROWS_PER_PASS 1
-#endif
+/* Weight rows a pass multiplies together, interleaved in memory. Measured streaming 4864 x 896
+ * from memory, one thread: 4 rows stored apart (4 streams) ran at 13-16 GB/s (int8) and 13-15
+ * (int4), one row a pass at 24 and 18: the hardware prefetcher follows one stream best. */
+#define TILE 4
+
+/* Where row `row`'s pair `p` starts, in a layout of TILE-row tiles of `bytes` a pair-row. */
+static inline size_t tiled(int row, int p, int pairs, int bytes) {
+    return (((size_t)(row / TILE) * pairs + p) * TILE + row % TILE) * bytes;
+}
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
@@ -167,7 +172,7 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
                 lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p + k) * 16);
             }
             for (int r = 0; r < R; r++) {
-                const uint8_t *w = nibbles + (size_t)(row0 + r) * (width / 2) + (p + k) * 32;
+                const uint8_t *w = nibbles + tiled(row0 + r, p + k, pairs, 32);
                 _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
                 __m512i wq = unpack_pair(w);
                 for (int i = 0; i < NX; i++) {
@@ -186,7 +191,7 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
     }
     for (int r = 0; r < R; r++) {
         const size_t at = (size_t)(row0 + r) * groups;
-        for (int i = 0; i < NX; i++) {
+        for (int i = 0; i < NX && row0 + r < out; i++) {
             const float *sums = a->group_sum + (size_t)(x0 + i) * groups;
             y[(size_t)(x0 + i) * out + row0 + r] =
                 hsum512(acc[r][i]) + offsets512(scale + at, zero + at, sums, groups);
@@ -199,7 +204,7 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
                                         const uint16_t *z, const Activations *a, float *y, \
                                         int out, int r0, int r1) {                        \
         for (int row = r0; row < r1;) {                                                   \
-            int R = ROWS_PER_PASS <= r1 - row ? ROWS_PER_PASS : 1;                                                \
+            int R = TILE; /* r1 - r0: whole tiles */                                                \
             for (int x0 = 0; x0 < a->rows; x0 += 4) {                                     \
                 int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;                             \
                 if (R == 4 && nx == 1) int4_tile512(n, s, z, a, y, out, row, x0, 4, 1, G); \
@@ -238,7 +243,7 @@ AVX512 INLINE void int8_tile512(const int8_t *weight, const float *row_scale,
             lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16);
         }
         for (int r = 0; r < R; r++) {
-            const int8_t *w = weight + (size_t)(row0 + r) * width + p * PAIR;
+            const int8_t *w = weight + tiled(row0 + r, p, pairs, PAIR);
             _mm_prefetch((const char *)w + 2048, _MM_HINT_T0);
             __m512i wq = _mm512_loadu_si512(w);
             __m512i magnitude = _mm512_abs_epi8(wq);
@@ -252,14 +257,14 @@ AVX512 INLINE void int8_tile512(const int8_t *weight, const float *row_scale,
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < NX; i++)
+        for (int i = 0; i < NX && row0 + r < out; i++)
             y[(size_t)(x0 + i) * out + row0 + r] = hsum512(acc[r][i]) * row_scale[row0 + r];
 }
 
 AVX512 static void int8_rows512(const int8_t *w, const float *s, const Activations *a, float *y,
                                 int out, int r0, int r1) {
     for (int row = r0; row < r1;) {
-        int R = ROWS_PER_PASS <= r1 - row ? ROWS_PER_PASS : 1;
+        int R = TILE; /* r1 - r0: whole tiles */
         for (int x0 = 0; x0 < a->rows; x0 += 4) {
             int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;
             if (R == 4 && nx == 1) int8_tile512(w, s, a, y, out, row, x0, 4, 1);
@@ -294,7 +299,7 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
                               const Activations *a, float *y, int out, int group, int r0,
                               int r1) {
     const int width = a->width, groups = width / group, per_group = group / BLOCK;
-    for (int row = r0; row < r1; row++) {
+    for (int row = r0; row < r1 && row < out; row++) {
         for (int i = 0; i < a->rows; i++) {
             const int8_t *xq = a->q + (size_t)i * width;
             const float *step = a->step + (size_t)i * (width / BLOCK);
@@ -302,7 +307,7 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
             const uint16_t *s = scale + (size_t)row * groups, *z = zero + (size_t)row * groups;
             __m256 acc = _mm256_setzero_ps();
             for (int p = 0; p < width / PAIR; p++) {
-                const uint8_t *w = nibbles + (size_t)row * (width / 2) + p * 32;
+                const uint8_t *w = nibbles + tiled(row, p, width / PAIR, 32);
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
                 __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0f));
@@ -323,13 +328,14 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
 AVX2 static void int8_rows256(const int8_t *weight, const float *row_scale, const Activations *a,
                               float *y, int out, int r0, int r1) {
     const int width = a->width;
-    for (int row = r0; row < r1; row++) {
+    for (int row = r0; row < r1 && row < out; row++) {
         for (int i = 0; i < a->rows; i++) {
             const int8_t *xq = a->q + (size_t)i * width;
             const float *step = a->step + (size_t)i * (width / BLOCK);
             __m256 acc = _mm256_setzero_ps();
             for (int b = 0; b < width / BLOCK; b++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(weight + (size_t)row * width + b * BLOCK));
+                const int8_t *at = weight + tiled(row, b / 2, width / PAIR, PAIR) + b % 2 * BLOCK;
+                __m256i w = _mm256_loadu_si256((const __m256i *)at);
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
                 __m256 d = dot32(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
                 acc = _mm256_fmadd_ps(d, _mm256_set1_ps(step[b]), acc);
@@ -351,13 +357,12 @@ int astrai_gemv_isa(void) {
     return 0;
 }
 
-/* Each thread's share of the output rows, in whole tiles of 4. */
+/* Each thread's share of the (padded) output rows, in whole tiles. */
 static void thread_rows(int out, int *r0, int *r1) {
     int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    int tiles = (out + 3) / 4;
-    int a = (int)((long)tiles * t / threads), b = (int)((long)tiles * (t + 1) / threads);
-    *r0 = a * 4;
-    *r1 = b * 4 < out ? b * 4 : out;
+    int tiles = (out + TILE - 1) / TILE;
+    *r0 = (int)((long)tiles * t / threads) * TILE;
+    *r1 = (int)((long)tiles * (t + 1) / threads) * TILE;
 }
 
 /* Returns 0, or a negative code: -1 bad shape, -2 out of memory, -3 no usable ISA.
@@ -394,7 +399,7 @@ int astrai_int4_gemv(const float *x, int rows, int in, const uint8_t *nibbles,
     return 0;
 }
 
-/* weight: int8 [out][width], width = in rounded up to 64 (zeros past in). */
+/* weight: int8 in tiles (see the top), width = in rounded up to 64 (zeros past in). */
 int astrai_int8_gemv(const float *x, int rows, int in, const int8_t *weight,
                      const float *row_scale, int out, float *y, int threads, int isa) {
     if (in <= 0 || rows <= 0 || out <= 0 || threads <= 0) return -1;

@@ -14,6 +14,7 @@ from astrai.kernels.build import gemv_library, why_absent
 
 BLOCK = 32  # inputs an activation step covers
 PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
+TILE = 4  # weight rows a pass multiplies, stored interleaved (one stream for the prefetcher)
 ERRORS = {-1: "a shape it does not take", -2: "out of memory", -3: "an instruction set missing"}
 
 
@@ -21,8 +22,17 @@ def padded_width(in_features: int) -> int:
     return -(-in_features // PAIR) * PAIR
 
 
-def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [out, ...] with zero columns up to `width` and zero rows up to a multiple of TILE."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % TILE))
+
+
+def _tiled(rows: torch.Tensor, bytes_per_pair: int) -> torch.Tensor:
+    """[out, pairs * bytes] (out a multiple of TILE) as [out / TILE, pairs, TILE, bytes]: the
+    TILE rows' pieces of each PAIR inputs side by side."""
+    out_features = rows.shape[0]
+    pieces = rows.view(out_features // TILE, TILE, -1, bytes_per_pair)
+    return pieces.transpose(1, 2).contiguous()
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -30,23 +40,25 @@ def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
-    """(nibbles uint8 [out, width / 2], scale and zero bf16 bits int16 [out, width / group]) from
-    quantize_groups' q (uint8 in [0, 16)), scale and zero; width is in rounded up to PAIR, the
-    padding's weights zero. Each PAIR inputs take 32 bytes, byte j holding input j in its low
-    nibble and input 32 + j in its high one: one load unpacks into two whole blocks."""
-    out_features, in_features = q.shape
+    """(nibbles uint8 [out / TILE, width / PAIR, TILE, 32], scale and zero bf16 bits int16
+    [out, width / group]) from quantize_groups' q (uint8 in [0, 16)), scale and zero; width is
+    in rounded up to PAIR and out to TILE, the padding's weights zero. Each PAIR inputs of a row
+    take 32 bytes, byte j holding input j in its low nibble and input 32 + j in its high one:
+    one load unpacks into two whole blocks."""
+    in_features = q.shape[1]
     width = padded_width(in_features)
     if width % group:
         raise ValueError(f"group {group} does not divide the padded width {width}")
-    q = _pad_columns(q, width).view(out_features, width // PAIR, 2, BLOCK)
-    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out_features, width // 2).contiguous()
+    q = _pad(q, width).view(-1, width // PAIR, 2, BLOCK)
+    nibbles = _tiled((q[:, :, 0] | (q[:, :, 1] << 4)).view(q.shape[0], width // 2), 32)
     groups = width // group
-    return nibbles, _bf16_bits(_pad_columns(scale, groups)), _bf16_bits(_pad_columns(zero, groups))
+    return nibbles, _bf16_bits(_pad(scale, groups)), _bf16_bits(_pad(zero, groups))
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """The int8 [out, in] weights with rows padded (zeros) to a multiple of PAIR: any width."""
-    return _pad_columns(q, padded_width(q.shape[1])).contiguous()
+    """The int8 [out, in] weights as [out / TILE, width / PAIR, TILE, PAIR], width in rounded up
+    to PAIR and out to TILE, the padding zero: any width."""
+    return _tiled(_pad(q, padded_width(q.shape[1])), PAIR)
 
 
 def _library():
@@ -83,18 +95,17 @@ def _call(kernel, what: str, shape: tuple[int, int], weights: tuple, tail: tuple
     return run
 
 
-def int4_product(nibbles, scale, zero, group: int, in_features: int):
-    """run(x, threads=None, isa=0): x [..., in_features] @ W.T in float32, W the 4-bit matrix
-    pack_int4 laid out. isa 0 takes the best path here; 1 (AVX2) or 2 (AVX-512 VNNI) forces
-    one; threads defaults to torch's."""
+def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
+    """run(x, threads=None, isa=0): x [..., in] @ W.T in float32, W the [out, in] (`shape`)
+    4-bit matrix pack_int4 laid out. isa 0 takes the best path here; 1 (AVX2) or 2 (AVX-512
+    VNNI) forces one; threads defaults to torch's."""
     kernel = _library().astrai_int4_gemv
-    shape = (nibbles.shape[0], in_features)
     return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,))
 
 
-def int8_product(weight, row_scale, in_features: int):
-    """run(x, threads=None, isa=0): x [..., in_features] @ W.T in float32, W = weight *
-    row_scale[:, None] (weight from pack_int8, row_scale float32)."""
+def int8_product(weight, row_scale, shape: tuple[int, int]):
+    """run(x, threads=None, isa=0): x [..., in] @ W.T in float32, W = q * row_scale[:, None]
+    of `shape` [out, in] (weight: pack_int8(q))."""
     kernel = _library().astrai_int8_gemv
-    weights = (weight, row_scale.float().contiguous())
-    return _call(kernel, "int8", (weight.shape[0], in_features), weights, ())
+    scale = torch.nn.functional.pad(row_scale.float(), (0, -len(row_scale) % TILE))
+    return _call(kernel, "int8", shape, (weight, scale.contiguous()), ())

@@ -53,14 +53,18 @@ def int4_case(out_features: int, in_features: int, group: int):
     step = scale.repeat_interleave(group, dim=1)
     # the kernel sums q * scale and (zero - 8 * scale) apart: each at most |W| + 15 * scale
     terms = 2 * weights.abs() + 30 * step
-    return gemv.int4_product(*packed, group, in_features), weights, terms
+    return gemv.int4_product(*packed, group, (out_features, in_features)), weights, terms
 
 
 def int8_case(out_features: int, in_features: int):
     g = torch.Generator().manual_seed(out_features * in_features)
     q, scale = quantize_rows(torch.randn(out_features, in_features, generator=g))
     weights = q.float() * scale[:, None]
-    return gemv.int8_product(gemv.pack_int8(q), scale, in_features), weights, weights.abs()
+    return (
+        gemv.int8_product(gemv.pack_int8(q), scale, (out_features, in_features)),
+        weights,
+        weights.abs(),
+    )
 
 
 # [out, in]: rows no tile of 4 divides, a width the layout pads (96, 160: not multiples of 64)
@@ -109,7 +113,7 @@ def test_a_scale_off_by_ten_percent_is_outside_the_bound():
     q, scale, zero = quantize_groups(w, 32)
     weights = dequantize(q, scale, zero)
     terms = 2 * weights + 30 * scale.repeat_interleave(32, dim=1)
-    wrong = gemv.int4_product(*gemv.pack_int4(q, scale * 1.1, zero, 32), 32, 256)
+    wrong = gemv.int4_product(*gemv.pack_int4(q, scale * 1.1, zero, 32), 32, (40, 256))
     assert bool(((wrong(x) - x @ weights.T).abs() > bound(x, weights, terms)).any())
 
 
@@ -118,7 +122,7 @@ def test_groups_and_inputs_it_cannot_take_are_refused_by_name():
         gemv.pack_int4(torch.zeros(4, 192, dtype=torch.uint8), None, None, 128)
     q, scale, zero = quantize_groups(torch.randn(4, 96), 32)
     path(1)
-    run = gemv.int4_product(*gemv.pack_int4(q, scale, zero, 32), 32, 96)
+    run = gemv.int4_product(*gemv.pack_int4(q, scale, zero, 32), 32, (4, 96))
     with pytest.raises(ValueError, match="x has 64 features, the int4 matrix takes 96"):
         run(torch.randn(1, 64))
 
