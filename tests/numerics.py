@@ -53,3 +53,14 @@ def approx(expected: float, roundings: float, dtype: torch.dtype = torch.float32
     """pytest.approx for a scalar computed in `dtype` with `roundings` roundings."""
     rel = roundings * torch.finfo(dtype).eps
     return pytest.approx(expected, rel=rel, abs=rel)
+
+
+def int8_block_half_steps(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """How far activations quantized to int8 per block of `block` inputs (step: the block's
+    largest magnitude / 127, rounded to nearest) may be from x: half the step, widened by the
+    float32 rounding of the step itself (a division and a product: 4 eps is ample)."""
+    width = x.shape[-1]
+    padded = torch.nn.functional.pad(x.abs(), (0, -width % block))  # a last block part empty
+    amax = padded.unflatten(-1, (-1, block)).amax(-1, keepdim=True)
+    half = (amax / 254 * (1 + 4 * FLOAT32_EPS)).expand(*x.shape[:-1], -1, block).flatten(-2)
+    return half[..., :width]

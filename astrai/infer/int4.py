@@ -1,9 +1,12 @@
 """4-bit weights for inference: each row cut into groups of GROUPS[i] consecutive inputs, each
 group with its own scale and zero point (16 levels spread over the group's own range), and one
-product of torch's own:
+of two products:
 
 - "weight_only": `torch.ops.aten._weight_int4pack_mm_for_cpu`, activations in bfloat16, the
-  4-bit weights dequantized inside the kernel (its float32-activation path is ~50x slower).
+  4-bit weights dequantized inside the kernel (its float32-activation path is ~50x slower);
+- "gemv": our C kernel (astrai/kernels/gemv.c), activations quantized to int8 per block of 32
+  on each call and integer dot products (AVX-512 VNNI or AVX2), the weights streamed once
+  whatever the number of rows. Absent where there is no C compiler or no AVX2.
 
 Which group size multiplies fastest depends on the CPU and the shape, so prepare_params times
 each that divides the shape (and each product that runs here, astrai/infer/support.py) at load
@@ -17,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.kernels import gemv
 from astrai.model.layers import cast
 
-KERNELS = ("weight_only",)
+KERNELS = ("weight_only", "gemv")
 GROUPS = (32, 64, 128)  # the group sizes measured; the kernel takes these (and 256)
 LEVELS = 16
 MIDDLE = 8  # the kernel's weight is (q - MIDDLE) * scale + zero, q in [0, LEVELS)
@@ -34,7 +38,7 @@ class Int4Matrix:
     """W [out, in] ~= (q - 8) * scale + zero per group of `group` inputs; `linear(x)` is x @ W.T
     in x's dtype."""
 
-    packed: torch.Tensor  # the kernel's packing of q (uint8, two weights a byte)
+    packed: torch.Tensor  # the product's packing of q (uint8, two weights a byte)
     scale: torch.Tensor  # float32 [out, in // group], each a bfloat16 value
     zero: torch.Tensor  # float32 [out, in // group], each a bfloat16 value
     group: int
@@ -105,7 +109,12 @@ def _weight_only(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
     return packed, run
 
 
-BUILDERS = {"weight_only": _weight_only}
+def _gemv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
+    nibbles, scale_bits, zero_bits = gemv.pack_int4(q, scale, zero, group)
+    return nibbles, gemv.int4_product(nibbles, scale_bits, zero_bits, group, tuple(q.shape))
+
+
+BUILDERS = {"weight_only": _weight_only, "gemv": _gemv}
 
 
 def int4_matrix(w: torch.Tensor, kernel: str, group: int) -> Int4Matrix:

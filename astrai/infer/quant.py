@@ -1,10 +1,13 @@
 """8-bit weights for inference: one int8 matrix and one scale per output channel, with one of
-two products of torch's own:
+three products:
 
 - "weight_only": `torch._weight_int8pack_mm`, activations in bfloat16, weights dequantized
   inside the kernel;
 - "dynamic": fbgemm's `quantized::linear_dynamic`, activations quantized to 8 bits per call
-  and an integer product.
+  and an integer product;
+- "gemv": our C kernel (astrai/kernels/gemv.c), activations quantized to int8 per block of 32
+  inputs on each call (each row on its own), integer dot products (AVX-512 VNNI or AVX2), the
+  weights streamed once whatever the number of rows. Absent without a C compiler or AVX2.
 
 Which one wins depends on the CPU (VNNI, AMX, AVX2 only) and on the shape, so prepare_params
 times those that run here (astrai/infer/support.py) for each shape at load, and keeps the
@@ -20,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from astrai.infer.hardware import cpu_flags
+from astrai.kernels import gemv
 from astrai.model.layers import cast
 
-KERNELS = ("weight_only", "dynamic")
+KERNELS = ("weight_only", "dynamic", "gemv")
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,7 +93,11 @@ def _dynamic(q: torch.Tensor, scale: torch.Tensor) -> Callable:
     return lambda x: _LINEAR_DYNAMIC(x.float(), packed, reduce_range)
 
 
-BUILDERS = {"weight_only": _weight_only, "dynamic": _dynamic}
+def _gemv(q: torch.Tensor, scale: torch.Tensor) -> Callable:
+    return gemv.int8_product(gemv.pack_int8(q), scale, tuple(q.shape))
+
+
+BUILDERS = {"weight_only": _weight_only, "dynamic": _dynamic, "gemv": _gemv}
 
 
 def int8_matrix(w: torch.Tensor, kernel: str) -> Int8Matrix:

@@ -4,7 +4,8 @@ reason where it cannot. prepare_params
 chooses among those that run; the tests run each one that does and skip the others, naming why.
 
 A product is refused for a CPU feature its library needs and the CPU lacks (read from
-/proc/cpuinfo, so that the reason names it), for a shape its kernel mishandles, or when one tiny
+/proc/cpuinfo, so that the reason names it), for a shape its kernel mishandles, where our own C kernel did not build (no
+compiler, no AVX2), or when one tiny
 product of it raises here (tried once per process): a library built without the kernel, or held
 below what the CPU offers (ONEDNN_MAX_CPU_ISA=AVX2), then says why in its own words.
 """
@@ -19,11 +20,12 @@ from astrai.infer import int4
 from astrai.infer.hardware import cpu_flags
 from astrai.infer.layouts import LAYOUTS
 from astrai.infer.quant import BUILDERS, int8_matrix
+from astrai.kernels.build import why_absent
 from astrai.model.layers import project
 
 # The CPU features (as /proc/cpuinfo names them) a product's library checks for; any one group
 # is enough. oneDNN reorders bfloat16 weights only with AVX-512 BW+VL+DQ, AVX-NE-CONVERT or
-# Arm's BF16; fbgemm's integer kernels need AVX2.
+# Arm's BF16; fbgemm's integer kernels need AVX2, and so do ours.
 CPU_NEEDS = {
     (torch.bfloat16, "packed"): (
         ("avx512bw", "avx512vl", "avx512dq"),
@@ -31,11 +33,15 @@ CPU_NEEDS = {
         ("bf16",),
     ),
     (torch.int8, "dynamic"): (("avx2",),),
+    # our C kernels: AVX2 + FMA at least (AVX-512 VNNI taken where present)
+    (torch.int8, "gemv"): (("avx2", "fma"),),
+    (torch.int4, "gemv"): (("avx2", "fma"),),
 }
 # torch's CPU kernel of the weight-only product reads each activation row in whole vectors (16
 # floats with AVX-512, 8 with AVX2) and runs past the end of a row that is not a multiple of
 # them: a segfault, not an error to catch.
 IN_FEATURES_MULTIPLE = {(torch.int8, "weight_only"): 16}
+OUR_KERNEL = "gemv"  # the C products of astrai/kernels, present where they build here
 PROBE_SHAPE = (16, 32)  # the [out, in] of the tiny product each one is tried on
 
 
@@ -68,11 +74,15 @@ def _shape_refused(dtype, name: str, shape, device: torch.device) -> str | None:
 
 
 def _machine_refuses(dtype, name: str, device: torch.device) -> str | None:
+    if name == OUR_KERNEL and dtype in (torch.int8, torch.int4) and device.type != "cpu":
+        return "our C kernel runs on the CPU only"
     needs = CPU_NEEDS.get((dtype, name), ()) if device.type == "cpu" else ()
     flags = cpu_flags()  # empty where the system does not say: the probe alone decides
     if needs and flags and not any(flags.issuperset(group) for group in needs):
         wanted = " or ".join("+".join(group) for group in needs)
         return f"needs the CPU feature {wanted}, which this CPU lacks"
+    if name == OUR_KERNEL and dtype in (torch.int8, torch.int4) and (reason := why_absent()):
+        return reason
     return _probe(dtype, name, str(device))
 
 

@@ -1,0 +1,131 @@
+"""The C kernels of this folder, compiled with the system C compiler the first time they are
+needed and loaded with ctypes.
+
+The shared library goes to ~/.cache/astrai/kernels (or $ASTRAI_KERNEL_CACHE), named by a hash
+of the source, the compiler's version and the flags, so an edit or another compiler builds
+afresh and every later process loads it in milliseconds. It links the libgomp torch's wheel
+ships (torch/lib), so its parallel regions run on the OpenMP thread pool torch already uses: a
+second pool would leave threads spinning against torch's own.
+
+Where there is no compiler, the build fails, or the CPU lacks AVX2, `gemv_library()` is None
+and `why_absent()` says why (logged once): the products of torch then run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("astrai.infer")
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
+ISA_NAMES = {1: "avx2", 2: "avx512_vnni"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ASTRAI_KERNEL_CACHE", Path.home() / ".cache/astrai/kernels"))
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc or gcc on the PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _torch_gomp() -> Path | None:
+    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    return path if path.exists() else None
+
+
+def _link_flags() -> list[str]:
+    gomp = _torch_gomp()
+    if gomp is None:  # a torch built otherwise: the system's OpenMP runtime
+        return []
+    return [str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+
+
+def _library_path(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + " ".join(FLAGS + tuple(_link_flags())).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"gemv-{key}.so"
+
+
+def _compile(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built under a temporary name and renamed: another process may be loading the same file
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        scratch = Path(tmp.name)
+    try:
+        command = [cc, *FLAGS, str(SOURCE), "-o", str(scratch), *_link_flags()]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1:]}")
+        scratch.replace(target)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.astrai_gemv_isa.restype = i
+    lib.astrai_gemv_isa.argtypes = []
+    lib.astrai_int4_gemv.restype = i
+    lib.astrai_int4_gemv.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
+    lib.astrai_int8_gemv.restype = i
+    lib.astrai_int8_gemv.argtypes = [p, i, i, p, p, i, p, i, i]
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler ($CC, cc, gcc or clang) on the PATH"
+    try:
+        path = _library_path(cc)
+        if not path.exists():
+            _compile(cc, path)
+        lib = _declare(ctypes.CDLL(str(path)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"the kernel did not build: {exc}"
+    if lib.astrai_gemv_isa() == 0:
+        return None, "the CPU has neither AVX2+FMA nor AVX-512 VNNI"
+    return lib, None
+
+
+def gemv_library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (why_absent() says why; logged once)."""
+    lib, reason = _load()
+    if lib is None:
+        _log_absent(reason)
+    return lib
+
+
+@functools.cache
+def _log_absent(reason: str) -> None:
+    log.info("our C GEMV kernels are absent (%s): torch's products run instead", reason)
+
+
+def why_absent() -> str | None:
+    """None where the kernels run here, else the reason they do not."""
+    return _load()[1]
+
+
+def isa() -> str | None:
+    """The instruction set the kernels use here ("avx512_vnni" or "avx2"), None without them."""
+    lib = gemv_library()
+    return ISA_NAMES[lib.astrai_gemv_isa()] if lib is not None else None

@@ -1,0 +1,425 @@
+/* Few-row products y = x @ W.T that stream W once: 4-bit and 8-bit weights times activations
+ * quantized to int8 per block of 32 on each call (the way llama.cpp's Q4_0 x Q8_0 dot works).
+ *
+ * Built by astrai/kernels/build.py with the system C compiler and loaded with ctypes: no torch
+ * headers, so it compiles in seconds. Two paths, picked at run time: AVX-512 VNNI (vpdpbusd,
+ * two blocks of 32 per 512-bit register) and AVX2 (vpmaddubsw + vpmaddwd, one block per
+ * register). Rows of W are split across the OpenMP threads of the libgomp torch itself loads, so
+ * there is one thread pool in the process.
+ *
+ * Layouts (rows padded to a multiple of 64 inputs and to a multiple of 4 rows, the padding
+ * zero; `out` is the real count, only those outputs are written):
+ *   int4: nibbles uint8 in tiles of 4 rows, [out/4][in/64][4][32]: each 64 inputs of a row
+ *         take 32 bytes, byte j holding input j in its low nibble and input 32 + j in its high
+ *         one, so that one load unpacks into two whole blocks, and the 4 rows of a tile follow
+ *         each other, so that a pass over 4 rows reads one stream. scale, zero: bfloat16 bits
+ *         [out][in/group]; W = (q - 8) * scale + zero.
+ *   int8: int8 in the same tiles, [out/4][in/64][4][64]; one float32 scale per row.
+ * Activations x are float32 [rows][in] (in the real width, any); y float32
+ * [rows][out]. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32
+#define PAIR 64
+/* Weight rows a pass multiplies together, interleaved in memory. Measured streaming 4864 x 896
+ * from memory, one thread: 4 rows stored apart (4 streams) ran at 13-16 GB/s (int8) and 13-15
+ * (int4), one row a pass at 24 and 18: the hardware prefetcher follows one stream best. */
+#define TILE 4
+
+/* Where row `row`'s pair `p` starts, in a layout of TILE-row tiles of `bytes` a pair-row. */
+static inline size_t tiled(int row, int p, int pairs, int bytes) {
+    return (((size_t)(row / TILE) * pairs + p) * TILE + row % TILE) * bytes;
+}
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* The activations of one call, quantized once and read by every thread. */
+typedef struct {
+    int rows, width;      /* width: padded to a multiple of PAIR */
+    int8_t *q;            /* [rows][width] */
+    float *step;          /* [rows][width / BLOCK]: x ~= q * step per block */
+    float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each */
+    float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
+} Activations;
+
+static float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* compiled for AVX2 (every CPU the products run on has it), so the rounding is one instruction */
+AVX2 static float nearest(float v) { return __builtin_roundevenf(v); }
+
+/* Scalar quantization: the reference order of operations both paths share, so that the AVX-512
+ * and AVX2 products quantize identically. */
+AVX2 static void quantize_activations(const float *x, int in, Activations *a, int group) {
+    int blocks = a->width / BLOCK, groups = a->width / group;
+    for (int r = 0; r < a->rows; r++) {
+        const float *row = x + (size_t)r * in;
+        int8_t *q = a->q + (size_t)r * a->width;
+        float *step = a->step + (size_t)r * blocks;
+        for (int b = 0; b < blocks; b++) {
+            float amax = 0.0f;
+            int start = b * BLOCK, left = in - start;
+            int valid = left < 0 ? 0 : left < BLOCK ? left : BLOCK; /* the padding reads as 0 */
+            for (int j = 0; j < valid; j++) {
+                float v = __builtin_fabsf(row[start + j]);
+                amax = v > amax ? v : amax;
+            }
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            step[b] = d;
+            for (int j = 0; j < BLOCK; j++)
+                q[start + j] = (int8_t)(j < valid ? nearest(row[start + j] * inv) : 0.0f);
+        }
+        float *lanes = a->lanes + (size_t)r * (a->width / PAIR) * 16;
+        for (int p = 0; p < a->width / PAIR; p++)
+            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[2 * p + l / 8];
+        if (a->group_sum) {
+            float *sums = a->group_sum + (size_t)r * groups;
+            for (int g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int b = g * group / BLOCK; b < (g + 1) * group / BLOCK; b++) {
+                    int t = 0;
+                    for (int j = 0; j < BLOCK; j++) t += q[b * BLOCK + j];
+                    s += (float)t * step[b];
+                }
+                sums[g] = s;
+            }
+        }
+    }
+}
+
+static int alloc_activations(Activations *a, int rows, int width, int group) {
+    a->rows = rows;
+    a->width = width;
+    size_t qbytes = ((size_t)rows * width + 63) / 64 * 64;
+    a->q = aligned_alloc(64, qbytes);
+    a->step = malloc(sizeof(float) * (size_t)rows * (width / BLOCK));
+    a->lanes = aligned_alloc(64, sizeof(float) * (size_t)rows * (width / PAIR) * 16);
+    a->group_sum = group ? malloc(sizeof(float) * (size_t)rows * (width / group)) : NULL;
+    return a->q && a->step && a->lanes && (!group || a->group_sum);
+}
+
+static void free_activations(Activations *a) {
+    free(a->q);
+    free(a->step);
+    free(a->lanes);
+    free(a->group_sum);
+}
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+
+AVX512 INLINE float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* 64 weights of one row as bytes: the low nibbles (block 0) in the lower 256 bits, the high
+ * nibbles (block 1) in the upper. */
+AVX512 INLINE __m512i unpack_pair(const uint8_t *p) {
+    __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(0x0f));
+}
+
+/* Two groups' scales (bf16 bits) as 8 lanes each. */
+AVX512 INLINE __m512 scale_pair(const uint16_t *s) {
+    uint32_t two;
+    memcpy(&two, s, 4);
+    __m128i bits = _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_cvtsi32_si128((int)two));
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(bits)));
+}
+
+AVX512 INLINE __m512 scale_one(const uint16_t *s) { return _mm512_set1_ps(bf16_to_float(*s)); }
+
+/* sum over groups of (zero - 8 scale) * group_sum: the offsets' share of one output. */
+AVX512 INLINE float offsets512(const uint16_t *scale, const uint16_t *zero, const float *sums,
+                               int groups) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g += 16) {
+        __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512i s16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, scale + g));
+        __m512i z16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, zero + g));
+        __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(s16, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(z16, 16));
+        __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+        acc = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(m, sums + g), acc);
+    }
+    return hsum512(acc);
+}
+
+/* R weight rows from `row0` times NX activation rows from `x0`; G the group size. */
+AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
+                                const uint16_t *zero, const Activations *a, float *y, int out,
+                                int row0, int x0, const int R, const int NX, const int G) {
+    const int width = a->width, pairs = width / PAIR, groups = width / G;
+    const int pairs_per_step = G == BLOCK ? 1 : G / PAIR, groups_per_step = G == BLOCK ? 2 : 1;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int p = 0, g = 0; p < pairs; p += pairs_per_step, g += groups_per_step) {
+        __m512 part[4][4];
+        for (int k = 0; k < pairs_per_step; k++) {
+            __m512i xq[4];
+            __m512 lanes[4];
+            for (int i = 0; i < NX; i++) {
+                xq[i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + k) * PAIR);
+                lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p + k) * 16);
+            }
+            for (int r = 0; r < R; r++) {
+                const uint8_t *w = nibbles + tiled(row0 + r, p + k, pairs, 32);
+                _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
+                __m512i wq = unpack_pair(w);
+                for (int i = 0; i < NX; i++) {
+                    __m512 dot = _mm512_cvtepi32_ps(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq[i]));
+                    part[r][i] = k == 0 ? _mm512_mul_ps(dot, lanes[i])
+                                        : _mm512_fmadd_ps(dot, lanes[i], part[r][i]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const uint16_t *s = scale + (size_t)(row0 + r) * groups + g;
+            __m512 sv = G == BLOCK ? scale_pair(s) : scale_one(s);
+            for (int i = 0; i < NX; i++) acc[r][i] = _mm512_fmadd_ps(part[r][i], sv, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const size_t at = (size_t)(row0 + r) * groups;
+        for (int i = 0; i < NX && row0 + r < out; i++) {
+            const float *sums = a->group_sum + (size_t)(x0 + i) * groups;
+            y[(size_t)(x0 + i) * out + row0 + r] =
+                hsum512(acc[r][i]) + offsets512(scale + at, zero + at, sums, groups);
+        }
+    }
+}
+
+#define INT4_TILES(G)                                                                    \
+    AVX512 static void int4_rows512_##G(const uint8_t *n, const uint16_t *s,             \
+                                        const uint16_t *z, const Activations *a, float *y, \
+                                        int out, int r0, int r1) {                        \
+        for (int row = r0; row < r1;) {                                                   \
+            int R = TILE; /* r1 - r0: whole tiles */                                                \
+            for (int x0 = 0; x0 < a->rows; x0 += 4) {                                     \
+                int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;                             \
+                if (R == 4 && nx == 1) int4_tile512(n, s, z, a, y, out, row, x0, 4, 1, G); \
+                else if (R == 4 && nx == 2)                                               \
+                    int4_tile512(n, s, z, a, y, out, row, x0, 4, 2, G);                   \
+                else if (R == 4) {                                                        \
+                    for (int h = 0; h < 4; h += 2) {                                      \
+                        if (nx == 3) int4_tile512(n, s, z, a, y, out, row + h, x0, 2, 3, G); \
+                        else int4_tile512(n, s, z, a, y, out, row + h, x0, 2, 4, G);      \
+                    }                                                                     \
+                } else if (nx == 1) int4_tile512(n, s, z, a, y, out, row, x0, 1, 1, G);   \
+                else if (nx == 2) int4_tile512(n, s, z, a, y, out, row, x0, 1, 2, G);     \
+                else if (nx == 3) int4_tile512(n, s, z, a, y, out, row, x0, 1, 3, G);     \
+                else int4_tile512(n, s, z, a, y, out, row, x0, 1, 4, G);                  \
+            }                                                                             \
+            row += R;                                                                     \
+        }                                                                                 \
+    }
+INT4_TILES(32)
+INT4_TILES(64)
+INT4_TILES(128)
+
+/* int8 weights: |w| as the unsigned operand, x with w's sign as the signed one. */
+AVX512 INLINE void int8_tile512(const int8_t *weight, const float *row_scale,
+                                const Activations *a, float *y, int out, int row0, int x0,
+                                const int R, const int NX) {
+    const int width = a->width, pairs = width / PAIR;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        __m512i xq[4];
+        __m512 lanes[4];
+        for (int i = 0; i < NX; i++) {
+            xq[i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + p * PAIR);
+            lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16);
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *w = weight + tiled(row0 + r, p, pairs, PAIR);
+            _mm_prefetch((const char *)w + 2048, _MM_HINT_T0);
+            __m512i wq = _mm512_loadu_si512(w);
+            __m512i magnitude = _mm512_abs_epi8(wq);
+            __mmask64 negative = _mm512_movepi8_mask(wq);
+            for (int i = 0; i < NX; i++) {
+                __m512i signed_x = _mm512_mask_sub_epi8(xq[i], negative, _mm512_setzero_si512(), xq[i]);
+                __m512 dot = _mm512_cvtepi32_ps(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x));
+                acc[r][i] = _mm512_fmadd_ps(dot, lanes[i], acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NX && row0 + r < out; i++)
+            y[(size_t)(x0 + i) * out + row0 + r] = hsum512(acc[r][i]) * row_scale[row0 + r];
+}
+
+AVX512 static void int8_rows512(const int8_t *w, const float *s, const Activations *a, float *y,
+                                int out, int r0, int r1) {
+    for (int row = r0; row < r1;) {
+        int R = TILE; /* r1 - r0: whole tiles */
+        for (int x0 = 0; x0 < a->rows; x0 += 4) {
+            int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;
+            if (R == 4 && nx == 1) int8_tile512(w, s, a, y, out, row, x0, 4, 1);
+            else if (R == 4 && nx == 2) int8_tile512(w, s, a, y, out, row, x0, 4, 2);
+            else if (R == 4 && nx == 3) int8_tile512(w, s, a, y, out, row, x0, 4, 3);
+            else if (R == 4) int8_tile512(w, s, a, y, out, row, x0, 4, 4);
+            else if (nx == 1) int8_tile512(w, s, a, y, out, row, x0, 1, 1);
+            else if (nx == 2) int8_tile512(w, s, a, y, out, row, x0, 1, 2);
+            else if (nx == 3) int8_tile512(w, s, a, y, out, row, x0, 1, 3);
+            else int8_tile512(w, s, a, y, out, row, x0, 1, 4);
+        }
+        row += R;
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 */
+
+AVX2 INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* the dot of 32 unsigned bytes with 32 signed ones, as 8 float lanes */
+AVX2 INLINE __m256 dot32(__m256i u, __m256i s) {
+    __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
+                              const Activations *a, float *y, int out, int group, int r0,
+                              int r1) {
+    const int width = a->width, groups = width / group, per_group = group / BLOCK;
+    for (int row = r0; row < r1 && row < out; row++) {
+        for (int i = 0; i < a->rows; i++) {
+            const int8_t *xq = a->q + (size_t)i * width;
+            const float *step = a->step + (size_t)i * (width / BLOCK);
+            const float *sums = a->group_sum + (size_t)i * groups;
+            const uint16_t *s = scale + (size_t)row * groups, *z = zero + (size_t)row * groups;
+            __m256 acc = _mm256_setzero_ps();
+            for (int p = 0; p < width / PAIR; p++) {
+                const uint8_t *w = nibbles + tiled(row, p, width / PAIR, 32);
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
+                __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0f));
+                int b0 = 2 * p, b1 = 2 * p + 1;
+                __m256 d0 = dot32(lo, _mm256_loadu_si256((const __m256i *)(xq + b0 * BLOCK)));
+                __m256 d1 = dot32(hi, _mm256_loadu_si256((const __m256i *)(xq + b1 * BLOCK)));
+                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(step[b0] * bf16_to_float(s[b0 / per_group])), acc);
+                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(step[b1] * bf16_to_float(s[b1 / per_group])), acc);
+            }
+            float offsets = 0.0f;
+            for (int g = 0; g < groups; g++)
+                offsets += (bf16_to_float(z[g]) - 8.0f * bf16_to_float(s[g])) * sums[g];
+            y[(size_t)i * out + row] = hsum256(acc) + offsets;
+        }
+    }
+}
+
+AVX2 static void int8_rows256(const int8_t *weight, const float *row_scale, const Activations *a,
+                              float *y, int out, int r0, int r1) {
+    const int width = a->width;
+    for (int row = r0; row < r1 && row < out; row++) {
+        for (int i = 0; i < a->rows; i++) {
+            const int8_t *xq = a->q + (size_t)i * width;
+            const float *step = a->step + (size_t)i * (width / BLOCK);
+            __m256 acc = _mm256_setzero_ps();
+            for (int b = 0; b < width / BLOCK; b++) {
+                const int8_t *at = weight + tiled(row, b / 2, width / PAIR, PAIR) + b % 2 * BLOCK;
+                __m256i w = _mm256_loadu_si256((const __m256i *)at);
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
+                __m256 d = dot32(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+                acc = _mm256_fmadd_ps(d, _mm256_set1_ps(step[b]), acc);
+            }
+            y[(size_t)i * out + row] = hsum256(acc) * row_scale[row];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* 2: AVX-512 VNNI, 1: AVX2, 0: neither (the products refuse to run). */
+int astrai_gemv_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+/* Each thread's share of the (padded) output rows, in whole tiles. */
+static void thread_rows(int out, int *r0, int *r1) {
+    int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    int tiles = (out + TILE - 1) / TILE;
+    *r0 = (int)((long)tiles * t / threads) * TILE;
+    *r1 = (int)((long)tiles * (t + 1) / threads) * TILE;
+}
+
+/* Returns 0, or a negative code: -1 bad shape, -2 out of memory, -3 no usable ISA.
+ * isa: 0 for the best here, else 1 (AVX2) or 2 (AVX-512 VNNI) to force one (tests). */
+int astrai_int4_gemv(const float *x, int rows, int in, const uint8_t *nibbles,
+                     const uint16_t *scale, const uint16_t *zero, int out, int group, float *y,
+                     int threads, int isa) {
+    if (in <= 0 || rows <= 0 || out <= 0 || threads <= 0) return -1;
+    if (group != 32 && group != 64 && group != 128) return -1;
+    int width = (in + PAIR - 1) / PAIR * PAIR;
+    if (width % group) return -1;
+    int best = astrai_gemv_isa();
+    isa = isa ? isa : best;
+    if (isa > best || isa == 0) return -3;
+    Activations a;
+    if (!alloc_activations(&a, rows, width, group)) {
+        free_activations(&a);
+        return -2;
+    }
+    quantize_activations(x, in, &a, group);
+#pragma omp parallel num_threads(threads)
+    {
+        int r0, r1;
+        thread_rows(out, &r0, &r1);
+        if (isa == 2) {
+            if (group == 32) int4_rows512_32(nibbles, scale, zero, &a, y, out, r0, r1);
+            else if (group == 64) int4_rows512_64(nibbles, scale, zero, &a, y, out, r0, r1);
+            else int4_rows512_128(nibbles, scale, zero, &a, y, out, r0, r1);
+        } else {
+            int4_rows256(nibbles, scale, zero, &a, y, out, group, r0, r1);
+        }
+    }
+    free_activations(&a);
+    return 0;
+}
+
+/* weight: int8 in tiles (see the top), width = in rounded up to 64 (zeros past in). */
+int astrai_int8_gemv(const float *x, int rows, int in, const int8_t *weight,
+                     const float *row_scale, int out, float *y, int threads, int isa) {
+    if (in <= 0 || rows <= 0 || out <= 0 || threads <= 0) return -1;
+    int width = (in + PAIR - 1) / PAIR * PAIR;
+    int best = astrai_gemv_isa();
+    isa = isa ? isa : best;
+    if (isa > best || isa == 0) return -3;
+    Activations a;
+    if (!alloc_activations(&a, rows, width, 0)) {
+        free_activations(&a);
+        return -2;
+    }
+    quantize_activations(x, in, &a, BLOCK);
+#pragma omp parallel num_threads(threads)
+    {
+        int r0, r1;
+        thread_rows(out, &r0, &r1);
+        if (isa == 2) int8_rows512(weight, row_scale, &a, y, out, r0, r1);
+        else int8_rows256(weight, row_scale, &a, y, out, r0, r1);
+    }
+    free_activations(&a);
+    return 0;
+}

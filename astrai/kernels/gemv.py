@@ -1,0 +1,111 @@
+"""Python faces of the C products in gemv.c: the weight layouts they read, built once from the
+quantized matrices, and the calls, on tensors' data pointers.
+
+Activations are quantized to int8 per block of 32 inputs inside each call (one float32 step a
+block, the block's largest magnitude / 127), so each activation is within half its block's step
+of its value; the weights' products are exact integer sums, scaled in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from astrai.kernels.build import gemv_library, why_absent
+
+BLOCK = 32  # inputs an activation step covers
+PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
+TILE = 4  # weight rows a pass multiplies, stored interleaved (one stream for the prefetcher)
+ERRORS = {-1: "a shape it does not take", -2: "out of memory", -3: "an instruction set missing"}
+
+
+def padded_width(in_features: int) -> int:
+    return -(-in_features // PAIR) * PAIR
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [out, ...] with zero columns up to `width` and zero rows up to a multiple of TILE."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % TILE))
+
+
+def _tiled(rows: torch.Tensor, bytes_per_pair: int) -> torch.Tensor:
+    """[out, pairs * bytes] (out a multiple of TILE) as [out / TILE, pairs, TILE, bytes]: the
+    TILE rows' pieces of each PAIR inputs side by side."""
+    out_features = rows.shape[0]
+    pieces = rows.view(out_features // TILE, TILE, -1, bytes_per_pair)
+    return pieces.transpose(1, 2).contiguous()
+
+
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).view(torch.int16).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
+    """(nibbles uint8 [out / TILE, width / PAIR, TILE, 32], scale and zero bf16 bits int16
+    [out, width / group]) from quantize_groups' q (uint8 in [0, 16)), scale and zero; width is
+    in rounded up to PAIR and out to TILE, the padding's weights zero. Each PAIR inputs of a row
+    take 32 bytes, byte j holding input j in its low nibble and input 32 + j in its high one:
+    one load unpacks into two whole blocks."""
+    in_features = q.shape[1]
+    width = padded_width(in_features)
+    if width % group:
+        raise ValueError(f"group {group} does not divide the padded width {width}")
+    q = _pad(q, width).view(-1, width // PAIR, 2, BLOCK)
+    nibbles = _tiled((q[:, :, 0] | (q[:, :, 1] << 4)).view(q.shape[0], width // 2), 32)
+    groups = width // group
+    return nibbles, _bf16_bits(_pad(scale, groups)), _bf16_bits(_pad(zero, groups))
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """The int8 [out, in] weights as [out / TILE, width / PAIR, TILE, PAIR], width in rounded up
+    to PAIR and out to TILE, the padding zero: any width."""
+    return _tiled(_pad(q, padded_width(q.shape[1])), PAIR)
+
+
+def _library():
+    lib = gemv_library()
+    if lib is None:
+        raise RuntimeError(f"our C GEMV kernels are absent: {why_absent()}")
+    return lib
+
+
+def _raise_on(code: int, what: str) -> None:
+    if code:
+        raise RuntimeError(f"the {what} kernel refused the call: {ERRORS.get(code, code)}")
+
+
+def _call(kernel, what: str, shape: tuple[int, int], weights: tuple, tail: tuple):
+    """x [..., in] -> [..., out] float32 through `kernel`, the weights' pointers taken once
+    (a call at one row costs a few microseconds of Python, a share of a small matrix's time)."""
+    out_features, in_features = shape
+    pointers = tuple(w.data_ptr() for w in weights)
+
+    def run(x: torch.Tensor, threads: int | None = None, isa: int = 0) -> torch.Tensor:
+        if x.shape[-1] != in_features:  # the kernel reads as many inputs as x has
+            raise ValueError(f"x has {x.shape[-1]} features, the {what} matrix takes {in_features}")
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.to(torch.float32).contiguous()
+        y = torch.empty(rows.shape[0], out_features)
+        n = threads if threads is not None else torch.get_num_threads()
+        args = (rows.data_ptr(), rows.shape[0], rows.shape[1], *pointers, out_features, *tail)
+        _raise_on(kernel(*args, y.data_ptr(), n, isa), what)
+        return y.view(*x.shape[:-1], out_features)
+
+    run.weights = weights  # kept alive as long as the product
+    return run
+
+
+def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
+    """run(x, threads=None, isa=0): x [..., in] @ W.T in float32, W the [out, in] (`shape`)
+    4-bit matrix pack_int4 laid out. isa 0 takes the best path here; 1 (AVX2) or 2 (AVX-512
+    VNNI) forces one; threads defaults to torch's."""
+    kernel = _library().astrai_int4_gemv
+    return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,))
+
+
+def int8_product(weight, row_scale, shape: tuple[int, int]):
+    """run(x, threads=None, isa=0): x [..., in] @ W.T in float32, W = q * row_scale[:, None]
+    of `shape` [out, in] (weight: pack_int8(q))."""
+    kernel = _library().astrai_int8_gemv
+    scale = torch.nn.functional.pad(row_scale.float(), (0, -len(row_scale) % TILE))
+    return _call(kernel, "int8", shape, (weight, scale.contiguous()), ())

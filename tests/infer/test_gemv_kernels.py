@@ -1,0 +1,144 @@
+"""Our C products (astrai/kernels): each instruction-set path against the float32 product of the
+same dequantized weights, within the error the activations' int8 rounding allows; rows 1 to 5,
+one and two threads, widths the layout pads; shapes refused by name; the reason when absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import int8_block_half_steps
+
+from astrai.infer import support
+from astrai.infer.int4 import dequantize, quantize_groups
+from astrai.infer.quant import quantize_rows
+from astrai.kernels import build, gemv
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+ISA = {1: "avx2", 2: "avx512_vnni"}
+
+
+def paths_here() -> list[int]:
+    """The instruction-set paths this CPU runs: AVX2 wherever the kernels run, and AVX-512 VNNI
+    where the CPU has it."""
+    lib = build.gemv_library()
+    return [] if lib is None else list(range(1, lib.astrai_gemv_isa() + 1))
+
+
+def path(isa: int) -> int:
+    if build.gemv_library() is None:
+        pytest.skip(f"our C kernels are absent: {build.why_absent()}")
+    if isa not in paths_here():
+        pytest.skip(f"the CPU has no {ISA[isa]}")
+    return isa
+
+
+def bound(x: torch.Tensor, weights: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """The worst case of |kernel(x) - x @ weights.T|: each activation within half its block's
+    int8 step of x (int8_block_half_steps), integer sums exact, then float32 roundings (a scaling
+    per block and an add per block of 32 and group, and a few more) relative to the terms'
+    magnitudes (terms >= |each float32 product the kernel sums|)."""
+    activation = int8_block_half_steps(x)
+    roundings = x.shape[-1] // 32 * 2 + 16
+    return activation @ weights.abs().T + roundings * FLOAT32_EPS * (
+        (x.abs() + activation) @ terms.T
+    )
+
+
+def int4_case(out_features: int, in_features: int, group: int):
+    g = torch.Generator().manual_seed(out_features * in_features + group)
+    w = torch.randn(out_features, in_features, generator=g)
+    q, scale, zero = quantize_groups(w, group)
+    packed = gemv.pack_int4(q, scale, zero, group)
+    weights = dequantize(q, scale, zero)
+    step = scale.repeat_interleave(group, dim=1)
+    # the kernel sums q * scale and (zero - 8 * scale) apart: each at most |W| + 15 * scale
+    terms = 2 * weights.abs() + 30 * step
+    return gemv.int4_product(*packed, group, (out_features, in_features)), weights, terms
+
+
+def int8_case(out_features: int, in_features: int):
+    g = torch.Generator().manual_seed(out_features * in_features)
+    q, scale = quantize_rows(torch.randn(out_features, in_features, generator=g))
+    weights = q.float() * scale[:, None]
+    return (
+        gemv.int8_product(gemv.pack_int8(q), scale, (out_features, in_features)),
+        weights,
+        weights.abs(),
+    )
+
+
+# [out, in]: rows no tile of 4 divides, a width the layout pads (96, 160: not multiples of 64)
+CASES = [
+    ("int4", lambda: int4_case(13, 96, 32)),
+    ("int4", lambda: int4_case(40, 256, 64)),
+    ("int4", lambda: int4_case(9, 384, 128)),
+    ("int4", lambda: int4_case(33, 160, 32)),
+    ("int8", lambda: int8_case(13, 96)),
+    ("int8", lambda: int8_case(37, 256)),
+    ("int8", lambda: int8_case(5, 45)),  # a width no block divides: padded
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("isa", list(ISA))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_path_is_within_the_int8_activation_rounding(case, isa, threads):
+    path(isa)
+    run, weights, terms = CASES[case][1]()
+    g = torch.Generator().manual_seed(case)
+    for rows in (1, 2, 3, 4, 5):
+        x = torch.randn(rows, weights.shape[1], generator=g)
+        y = run(x, threads=threads, isa=isa)
+        assert y.shape == (rows, weights.shape[0]) and y.dtype == torch.float32
+        assert bool(((y - x @ weights.T).abs() <= bound(x, weights, terms)).all()), rows
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rows_threads_and_paths_do_not_change_a_row(case):
+    # each output is summed in the same order whatever the rows beside it or the thread that
+    # computes it: the same bits
+    path(1)
+    run, weights, _ = CASES[case][1]()
+    x = torch.randn(5, weights.shape[1], generator=torch.Generator().manual_seed(1))
+    for isa in paths_here():
+        alone = torch.cat([run(row[None], threads=1, isa=isa) for row in x])
+        assert torch.equal(run(x, threads=2, isa=isa), alone)
+
+
+def test_a_scale_off_by_ten_percent_is_outside_the_bound():
+    # the bound is tight enough to catch a wrongly scaled product (positive values: no cancel)
+    path(1)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.rand(40, 256, generator=g), torch.rand(3, 256, generator=g)
+    q, scale, zero = quantize_groups(w, 32)
+    weights = dequantize(q, scale, zero)
+    terms = 2 * weights + 30 * scale.repeat_interleave(32, dim=1)
+    wrong = gemv.int4_product(*gemv.pack_int4(q, scale * 1.1, zero, 32), 32, (40, 256))
+    assert bool(((wrong(x) - x @ weights.T).abs() > bound(x, weights, terms)).any())
+
+
+def test_groups_and_inputs_it_cannot_take_are_refused_by_name():
+    with pytest.raises(ValueError, match="group 128 does not divide the padded width 192"):
+        gemv.pack_int4(torch.zeros(4, 192, dtype=torch.uint8), None, None, 128)
+    q, scale, zero = quantize_groups(torch.randn(4, 96), 32)
+    path(1)
+    run = gemv.int4_product(*gemv.pack_int4(q, scale, zero, 32), 32, (4, 96))
+    with pytest.raises(ValueError, match="x has 64 features, the int4 matrix takes 96"):
+        run(torch.randn(1, 64))
+
+
+def test_without_a_compiler_the_kernels_are_absent_and_refused_with_the_reason(monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "")
+    assert build.compiler() is None
+    lib, reason = build._load.__wrapped__()
+    assert lib is None and "no C compiler" in reason
+    monkeypatch.setattr(support, "why_absent", lambda: reason)
+    for dtype in (torch.int8, torch.int4):
+        support._probe.cache_clear()
+        assert products_reason(dtype) == reason
+    support._probe.cache_clear()
+
+
+def products_reason(dtype) -> str | None:
+    return support.products_here(dtype, (16, 64))["gemv"]
