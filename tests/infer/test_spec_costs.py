@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from infer_models import make_model
 
+import astrai as ai
 from astrai.infer import spec_costs, speculate_step
 from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams
@@ -87,13 +88,14 @@ class _Clock:
         return self.now
 
 
-def test_an_engine_with_a_clock_measures_its_steps_and_stays_exact():
-    params, cfg = make_model("gqa", seed=0)
+def _requests() -> list[Request]:
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [3, 4] * 10]
-    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    requests = [Request(str(i), p, sampling) for i, p in enumerate(prompts)]
-    _, plain = run_requests(init_engine(params, cfg, None), params, requests)
-    state = init_engine(params, cfg, None, speculative="lookup", speculative_k=4)
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return [Request(str(i), p, sampling) for i, p in enumerate(prompts)]
+
+
+def _run_with_clock(state, params, requests):
+    """Every request to its end through engine_step with a fake clock -> (state, tokens)."""
     for request in requests:
         state = add_request(state, request)
     clock, tokens = _Clock(0.001), {r.id: [] for r in requests}
@@ -101,7 +103,37 @@ def test_an_engine_with_a_clock_measures_its_steps_and_stays_exact():
         state, events = engine_step(state, params, clock=clock)
         for event in events:
             tokens[event.request_id] += event.token_ids
-    assert [tokens[r.id] for r in requests] == [c.token_ids for c in plain]
-    assert state.totals.spec_steps > 0  # it did verify
-    assert state.spec.costs.decode  # plain decode steps were timed
-    assert all(seconds > 0 for seconds in state.spec.costs.decode.values())
+    return state, [tokens[r.id] for r in requests]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("gqa", seed=0)
+
+
+def test_an_engine_with_a_clock_times_its_plain_decode_steps(target):
+    """A random tiny model's output does not repeat its prompt: lookup rarely proposes, and
+    the plain decode steps (runs of them) are timed per bucket."""
+    params, cfg = target
+    _, plain = run_requests(init_engine(params, cfg, None), params, _requests())
+    state = init_engine(params, cfg, None, speculative="lookup", speculative_k=4)
+    state, tokens = _run_with_clock(state, params, _requests())
+    assert tokens == [c.token_ids for c in plain]
+    decode = state.spec.costs.decode
+    assert decode and all(seconds > 0 for seconds in decode.values())
+
+
+def test_an_engine_with_a_clock_times_its_verify_steps_and_stays_exact(target, tmp_path):
+    """The target drafts for itself (every proposal kept), its draft steps counted free: the
+    engine verifies in every step, each timed by the clock given, and writes plain decoding's
+    tokens."""
+    params, cfg = target
+    ai.save_pretrained(tmp_path / "draft", params, cfg)
+    _, plain = run_requests(init_engine(params, cfg, None), params, _requests())
+    draft = str(tmp_path / "draft")
+    state = init_engine(params, cfg, None, speculative="draft", draft_model=draft)
+    state.spec.draft_cost = 0.0
+    state, tokens = _run_with_clock(state, params, _requests())
+    assert tokens == [c.token_ids for c in plain]
+    assert state.totals.spec_steps > 0
+    assert any(key[0] == "verify" for key in state.spec.costs.seen)
