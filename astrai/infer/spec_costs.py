@@ -20,12 +20,19 @@ bucket, and each verify step as a share of that bucket's decode time, a moving a
 (bucket, k) that starts at the constant and moves toward what the steps measure. The first
 step of each shape is left out: it pays for allocating and choosing kernels.
 
+A draft's step is timed the same way (per draft step, per bucket of the step's rows): its
+share of a target step is what the weights each reads say only where both are bound by
+reading weights (0.036 by the weights, 0.042-0.044 timed at one thread); a small draft's step
+is mostly fixed per-op cost, which grows with threads and load (on the loaded machine at two
+threads a target decode step took 1.2 s of waking threads), so the gate uses the measured
+share once there is one.
+
 Pure functions over a small frozen dataclass; the engine step keeps it on the Speculator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Each measurement moves an average by this share: one step slowed by another process on a
 # shared machine moves the gate by a quarter of its error, and about ten steps of a new
@@ -41,6 +48,7 @@ class StepCosts:
 
     decode: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)  # seconds of a draft step
     seen: frozenset = frozenset()
 
 
@@ -66,10 +74,20 @@ def with_decode(costs: StepCosts, rows: int, seconds: float) -> StepCosts:
     """costs with one plain decode model step of `rows` rows that took `seconds`."""
     key = ("decode", size_bucket(rows))
     if key not in costs.seen:
-        return StepCosts(costs.decode, costs.verify, costs.seen | {key})
+        return replace(costs, seen=costs.seen | {key})
     bucket = key[1]
-    decode = {**costs.decode, bucket: _moved(costs.decode.get(bucket), seconds)}
-    return StepCosts(decode, costs.verify, costs.seen)
+    return replace(
+        costs, decode={**costs.decode, bucket: _moved(costs.decode.get(bucket), seconds)}
+    )
+
+
+def with_draft(costs: StepCosts, rows: int, seconds: float) -> StepCosts:
+    """costs with one draft step in a step of `rows` rows that took `seconds`."""
+    key = ("draft", size_bucket(rows))
+    if key not in costs.seen:
+        return replace(costs, seen=costs.seen | {key})
+    bucket = key[1]
+    return replace(costs, draft={**costs.draft, bucket: _moved(costs.draft.get(bucket), seconds)})
 
 
 def with_verify(costs: StepCosts, rows: int, k: int, seconds: float) -> StepCosts:
@@ -78,14 +96,13 @@ def with_verify(costs: StepCosts, rows: int, k: int, seconds: float) -> StepCost
     bucket = size_bucket(rows)
     key = ("verify", bucket, k)
     if key not in costs.seen:
-        return StepCosts(costs.decode, costs.verify, costs.seen | {key})
+        return replace(costs, seen=costs.seen | {key})
     decode = costs.decode.get(bucket)
     if decode is None or decode <= 0:
         return costs
     share = max(0.0, seconds / decode - 1.0)
     old = costs.verify.get((bucket, k), prior_verify_cost(k))
-    verify = {**costs.verify, (bucket, k): _moved(old, share)}
-    return StepCosts(costs.decode, verify, costs.seen)
+    return replace(costs, verify={**costs.verify, (bucket, k): _moved(old, share)})
 
 
 def verify_cost(costs: StepCosts, rows: int, k: int) -> float:
@@ -95,3 +112,13 @@ def verify_cost(costs: StepCosts, rows: int, k: int) -> float:
     if k <= 0:
         return 0.0
     return costs.verify.get((size_bucket(rows), k), prior_verify_cost(k))
+
+
+def draft_cost(costs: StepCosts, rows: int, prior: float) -> float:
+    """A draft step as a share of a target decode step in a step of `rows` rows: measured
+    where both are, else `prior` (the share of the weights each reads)."""
+    bucket = size_bucket(rows)
+    decode, draft = costs.decode.get(bucket), costs.draft.get(bucket)
+    if decode is None or draft is None or decode <= 0:
+        return prior
+    return draft / decode

@@ -32,6 +32,7 @@ costs is measured by the engine as it runs (spec_costs.py; engine_step times its
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,7 @@ from astrai.infer.proposal import Proposal
 from astrai.infer.sampling import token_logprobs
 from astrai.infer.scheduler import Scheduler
 from astrai.infer.sequence import Sequence, page_table
-from astrai.infer.spec_costs import StepCosts, verify_cost
+from astrai.infer.spec_costs import StepCosts, draft_cost, verify_cost, with_draft
 from astrai.infer.speculative import discard_after, verify_forward
 from astrai.model import DTYPES, Params, load_pretrained
 from astrai.model.params import param_shapes
@@ -173,12 +174,14 @@ def worth_verifying(spec: Speculator, seqs: list[Sequence], lengths: list[int]) 
     B x (verify_cost + k x draft_cost), k the longest proposal (a draft runs k steps for
     every row it drafts for; lookup costs no forward). verify_cost is what this engine
     measured a verify step of about B rows and this k to cost beyond a plain decode step
-    (spec_costs.py), 0.3 + 0.1 k until it has. A large batch in which few rows propose
+    (spec_costs.py), 0.3 + 0.1 k until it has; a draft step's share likewise, the share of
+    the weights each reads (`draft_cost`) until measured. A large batch in which few rows propose
     decodes plainly: at 16 rows a proposal of 4 needs about 11 expected tokens at the prior,
     16 to 21 at the 1.0-1.3 measured there on one thread."""
     longest = max(lengths, default=0)
     gain = sum(spec.rows[seq.id].rate * n for seq, n in zip(seqs, lengths))
-    cost = verify_cost(spec.costs, len(seqs), longest) + longest * spec.draft_cost
+    draft = draft_cost(spec.costs, len(seqs), spec.draft_cost)  # lookup's: none measured, 0
+    cost = verify_cost(spec.costs, len(seqs), longest) + longest * draft
     return longest > 0 and gain > len(seqs) * cost
 
 
@@ -329,13 +332,17 @@ def _propose_lookup(spec: Speculator, seqs: list[Sequence], rooms: list[int]) ->
     return verified
 
 
-def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+def _propose_draft(
+    spec: Speculator, seqs: list[Sequence], rooms: list[int], clock: Callable[[], float] | None
+) -> list[Proposal]:
     """The draft's proposals for the rows with room, when they are expected to pay for the
-    draft's steps and the verify forward (judged before drafting, on the rows' rooms)."""
+    draft's steps and the verify forward (judged before drafting, on the rows' rooms). With
+    a clock, the draft's steps are timed into spec.costs."""
     proposals = [Proposal([])] * len(seqs)
     asking = [i for i, room in enumerate(rooms) if room > 0]
     if not asking or not worth_verifying(spec, seqs, rooms):
         return proposals
+    started, steps = clock() if clock else 0.0, max(rooms[i] for i in asking)
     spec.draft, drafted = draft_propose_batch(
         spec.draft,
         [seqs[i].id for i in asking],
@@ -344,6 +351,8 @@ def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> 
         [seqs[i].sampling for i in asking],
         [seqs[i].generator for i in asking],
     )
+    if clock is not None:
+        spec.costs = with_draft(spec.costs, len(seqs), (clock() - started) / steps)
     for i, proposal in zip(asking, drafted):
         proposals[i] = _grammar_trim(seqs[i], _trim(proposal, rooms[i]))
     if not any(p.tokens for p in proposals):  # the step decodes plainly: no settle follows
@@ -352,13 +361,16 @@ def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> 
     return proposals
 
 
-def propose(spec: Speculator, seqs: list[Sequence]) -> tuple[Speculator, list[Proposal]]:
+def propose(
+    spec: Speculator, seqs: list[Sequence], clock: Callable[[], float] | None = None
+) -> tuple[Speculator, list[Proposal]]:
     """Each decoding sequence's proposal to verify: empty for a paused or watching row, or
-    one with no room; all empty when they are not worth verifying (see worth_verifying)."""
+    one with no room; all empty when they are not worth verifying (see worth_verifying).
+    clock: the draft's steps are timed with it (engine_step's)."""
     rooms = _rooms(spec, seqs)
     if spec.kind == "lookup":
         return spec, _propose_lookup(spec, seqs, rooms)
-    return spec, _propose_draft(spec, seqs, rooms)
+    return spec, _propose_draft(spec, seqs, rooms, clock)
 
 
 def reserve(

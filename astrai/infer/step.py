@@ -159,7 +159,7 @@ def engine_step(
         return state, events
     if state.spec is not None and plan.decode:
         try:
-            state.spec, proposals = propose(state.spec, plan.decode)
+            state.spec, proposals = propose(state.spec, plan.decode, clock)
         except Exception as exc:
             return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
         if any(p.tokens for p in proposals):

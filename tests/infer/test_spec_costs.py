@@ -137,3 +137,18 @@ def test_an_engine_with_a_clock_times_its_verify_steps_and_stays_exact(target, t
     assert tokens == [c.token_ids for c in plain]
     assert state.totals.spec_steps > 0
     assert any(key[0] == "verify" for key in state.spec.costs.seen)
+    assert any(key[0] == "draft" for key in state.spec.costs.seen)  # its steps too
+
+
+def test_a_drafts_measured_steps_replace_its_weights_share():
+    spec = speculate_step.Speculator("draft", 4, 3, draft_cost=0.04)
+    seqs = _rows(spec, 1, 0.5)
+    # 2 expected tokens against the prior 0.7 + 4 x 0.04
+    assert speculate_step.worth_verifying(spec, seqs, [4])
+    costs = StepCosts()
+    for _ in range(12):  # a draft step at half a target step: 0.7 + 4 x 0.5 = 2.7
+        costs = spec_costs.with_draft(with_decode(costs, 1, 0.010), 1, 0.005)
+    spec.costs = costs
+    assert spec_costs.draft_cost(costs, 1, 0.04) == pytest.approx(0.5)
+    assert spec_costs.draft_cost(costs, 16, 0.04) == 0.04  # not measured at 16 rows
+    assert not speculate_step.worth_verifying(spec, seqs, [4])
