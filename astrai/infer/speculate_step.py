@@ -25,13 +25,14 @@ scored against the tokens the row then writes (`score_unverified`), so its rate 
 traffic at no forward's cost, and it verifies again once that rate is back. A draft row, whose
 proposals cost forwards, stops proposing for a while instead. New rows start from the engine's
 own moving acceptance over all rows (`Speculator.prior`), so on traffic whose proposals are
-rarely kept a new request does not pay failed verifications to learn it. The thresholds come
-from measurements; see verify_cost.
+rarely kept a new request does not pay failed verifications to learn it. What a verify step
+costs is measured by the engine as it runs (spec_costs.py; engine_step times its steps).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,7 @@ from astrai.infer.proposal import Proposal
 from astrai.infer.sampling import token_logprobs
 from astrai.infer.scheduler import Scheduler
 from astrai.infer.sequence import Sequence, page_table
+from astrai.infer.spec_costs import StepCosts, draft_cost, verify_cost, with_draft
 from astrai.infer.speculative import discard_after, verify_forward
 from astrai.model import DTYPES, Params, load_pretrained
 from astrai.model.params import param_shapes
@@ -62,8 +64,8 @@ from astrai.model.params import param_shapes
 # steps, twice as long after each further failure, up to PAUSE_MAX, then tries again (one
 # verification with nothing kept pauses it again; measured, a retry judged afresh from
 # RATE_START spent three failed verifications per pause on an always-wrong proposer): alone
-# in its step, a row proposing k tokens pays verify_cost(k) = 0.3 + 0.1 k (0.7 at k = 4) and
-# gains rate x k, a loss below about 0.2.
+# in its step, a row proposing k tokens pays the prior verify cost 0.3 + 0.1 k (0.7 at k = 4;
+# spec_costs.py) and gains rate x k, a loss below about 0.2.
 RATE_START = 0.5
 RATE_WEIGHT = 0.3
 RATE_FLOOR = 0.2
@@ -101,6 +103,7 @@ class Speculator:
     backoff: int = PAUSE_MIN  # a draft's new row below the floor starts with this pause
     watched: int = 0  # lookup tokens proposed without verifying, scored against the rows'
     watched_kept: int = 0  # and of those, the ones the rows then wrote
+    costs: StepCosts = field(default_factory=StepCosts)  # measured step costs (spec_costs.py)
 
 
 def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None:
@@ -164,30 +167,21 @@ def forget(spec: Speculator, rid: str) -> Speculator:
     return spec
 
 
-def verify_cost(longest: int) -> float:
-    """What a verify forward over 1 + `longest` positions per row costs beyond a decode step,
-    as a share of the decode step.
-
-    Measured on a 2-core AMD EPYC shared with other work (so rounded; float32, one
-    thread, a 512-wide 8-layer model with a 32k vocabulary at 200 tokens of context;
-    `verify_forward` against `decode_step` on the same pool, best of 2 alternating rounds of 5),
-    the verify forward over 1 + k positions took, against a decode step: k=1 1.1-2.0x, k=2
-    1.1-2.3x, k=4 1.6-1.85x, at 1, 4, 8, 16 and 32 rows alike (the products stay bound by
-    reading the weights; the logits of every position add the rest). So about 0.3 + 0.1 k
-    beyond the step, whatever the batch."""
-    return 0.3 + 0.1 * longest
-
-
 def worth_verifying(spec: Speculator, seqs: list[Sequence], lengths: list[int]) -> bool:
     """Whether the tokens the proposals of `lengths` tokens are expected to add (each row's
     moving acceptance times its proposal's length) pay for what proposing and verifying
     cost: a step of B rows gives B tokens without speculation, so the gain must exceed
-    B x (verify_cost(k) + k x draft_cost), k the longest proposal (a draft runs k steps for
-    every row it drafts for; lookup costs no forward). A large batch in which few rows
-    propose decodes plainly; at 16 rows a proposal of 4 needs about 11 expected tokens."""
+    B x (verify_cost + k x draft_cost), k the longest proposal (a draft runs k steps for
+    every row it drafts for; lookup costs no forward). verify_cost is what this engine
+    measured a verify step of about B rows and this k to cost beyond a plain decode step
+    (spec_costs.py), 0.3 + 0.1 k until it has; a draft step's share likewise, the share of
+    the weights each reads (`draft_cost`) until measured. A large batch in which few rows propose
+    decodes plainly: at 16 rows a proposal of 4 needs about 11 expected tokens at the prior,
+    16 to 21 at the 1.0-1.3 measured there on one thread."""
     longest = max(lengths, default=0)
     gain = sum(spec.rows[seq.id].rate * n for seq, n in zip(seqs, lengths))
-    cost = verify_cost(longest) + longest * spec.draft_cost
+    draft = draft_cost(spec.costs, len(seqs), spec.draft_cost)  # lookup's: none measured, 0
+    cost = verify_cost(spec.costs, len(seqs), longest) + longest * draft
     return longest > 0 and gain > len(seqs) * cost
 
 
@@ -338,13 +332,17 @@ def _propose_lookup(spec: Speculator, seqs: list[Sequence], rooms: list[int]) ->
     return verified
 
 
-def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+def _propose_draft(
+    spec: Speculator, seqs: list[Sequence], rooms: list[int], clock: Callable[[], float] | None
+) -> list[Proposal]:
     """The draft's proposals for the rows with room, when they are expected to pay for the
-    draft's steps and the verify forward (judged before drafting, on the rows' rooms)."""
+    draft's steps and the verify forward (judged before drafting, on the rows' rooms). With
+    a clock, the draft's steps are timed into spec.costs."""
     proposals = [Proposal([])] * len(seqs)
     asking = [i for i, room in enumerate(rooms) if room > 0]
     if not asking or not worth_verifying(spec, seqs, rooms):
         return proposals
+    started, steps = clock() if clock else 0.0, max(rooms[i] for i in asking)
     spec.draft, drafted = draft_propose_batch(
         spec.draft,
         [seqs[i].id for i in asking],
@@ -353,6 +351,8 @@ def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> 
         [seqs[i].sampling for i in asking],
         [seqs[i].generator for i in asking],
     )
+    if clock is not None:
+        spec.costs = with_draft(spec.costs, len(seqs), (clock() - started) / steps)
     for i, proposal in zip(asking, drafted):
         proposals[i] = _grammar_trim(seqs[i], _trim(proposal, rooms[i]))
     if not any(p.tokens for p in proposals):  # the step decodes plainly: no settle follows
@@ -361,13 +361,16 @@ def _propose_draft(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> 
     return proposals
 
 
-def propose(spec: Speculator, seqs: list[Sequence]) -> tuple[Speculator, list[Proposal]]:
+def propose(
+    spec: Speculator, seqs: list[Sequence], clock: Callable[[], float] | None = None
+) -> tuple[Speculator, list[Proposal]]:
     """Each decoding sequence's proposal to verify: empty for a paused or watching row, or
-    one with no room; all empty when they are not worth verifying (see worth_verifying)."""
+    one with no room; all empty when they are not worth verifying (see worth_verifying).
+    clock: the draft's steps are timed with it (engine_step's)."""
     rooms = _rooms(spec, seqs)
     if spec.kind == "lookup":
         return spec, _propose_lookup(spec, seqs, rooms)
-    return spec, _propose_draft(spec, seqs, rooms)
+    return spec, _propose_draft(spec, seqs, rooms, clock)
 
 
 def reserve(

@@ -9,8 +9,10 @@ decode token for the running sequences (or, when every one of them samples from 
 alone, a run of a few decode steps; with EngineConfig.speculative, one forward that verifies
 the tokens proposed for each decoding row, see speculate_step.py), samples, detokenizes,
 applies the stop conditions and returns one StreamEvent per token produced or request finished.
-Requests join (`add_request`) and leave (`cancel_request`) between steps. Nothing here reads a clock or waits: the same state and
-weights give the same events.
+Requests join (`add_request`) and leave (`cancel_request`) between steps. Nothing here waits,
+and nothing reads a clock unless the caller gives one (`clock`, as the Engine's thread does:
+speculation then times its steps, and its gate uses the costs it measured, spec_costs.py):
+without one the same state and weights give the same events.
 
 The state is donated to every function that takes it, JAX-style: the page pool and the
 sequences are updated in place, and the caller goes on with the state that comes back; using
@@ -18,6 +20,8 @@ the one it gave raises DonatedError.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +34,7 @@ from astrai.infer.requests import Request
 from astrai.infer.sampling import sample_ids, sample_requests
 from astrai.infer.scheduler import StepPlan, advance, decode_run_length, fed, plan_step, reserve_run
 from astrai.infer.sequence import Sequence, page_table
+from astrai.infer.spec_costs import with_decode, with_verify
 from astrai.infer.speculate_step import propose, reserve, settle, verify
 from astrai.infer.state import EngineState, add_request, describe, end_all, retire
 from astrai.infer.text import token_text
@@ -124,7 +129,10 @@ def _take_token(
 
 @donates
 def engine_step(
-    state: EngineState, params: Params, step_seconds: float | None = None
+    state: EngineState,
+    params: Params,
+    step_seconds: float | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[EngineState, list[StreamEvent]]:
     """Advance every request by one scheduler step. Returns (state, events): one event per
     token produced or request finished, final events of cancelled requests first.
@@ -132,7 +140,9 @@ def engine_step(
     A step that only decodes rows that sample from their logits alone may run several decode
     steps back to back, giving each row that many tokens: as many as `decode_run_length`
     allows for the config and `step_seconds`, the caller's measure of one step's time (None:
-    not measured; the run is then `decode_run` steps).
+    not measured; the run is then `decode_run` steps). clock (e.g. time.perf_counter): with
+    speculation, the plain decode and verify steps are timed with it, and the gate weighs
+    what they measured (spec_costs.py); None: the gate uses its prior and nothing is timed.
     params are the weights on the engine's device and dtype (see params_for; prepare_params
     lays them out for faster decoding). A failure of the model fails the requests of the step
     (finish_reason "error"); the others go on. The state is donated."""
@@ -149,26 +159,44 @@ def engine_step(
         return state, events
     if state.spec is not None and plan.decode:
         try:
-            state.spec, proposals = propose(state.spec, plan.decode)
+            state.spec, proposals = propose(state.spec, plan.decode, clock)
         except Exception as exc:
             return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
         if any(p.tokens for p in proposals):
-            return _take_speculative(state, params, plan, proposals, events)
+            return _take_speculative(state, params, plan, proposals, events, clock)
     steps = decode_run_length(plan, state.engine_config, step_seconds)
     if steps > 1:
         state.sched, reserved = reserve_run(state.sched, plan.decode, steps)
         if reserved:
-            return _take_run(state, params, plan.decode, steps, events)
+            return _take_run(state, params, plan.decode, steps, events, clock)
     try:
+        started = _now(clock)
         state, rows, logits = _run_model(state, params, plan)
         sampled = _sample(rows, logits)
     except Exception as exc:
         return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
+    if not plan.prefill:  # a prompt chunk in the step would count as decode time
+        state = _note_decode(state, len(plan.decode), 1, started, clock)
     state.totals.steps += 1
     for seq, (token, logprob) in zip(rows, sampled):
         state, event = _take_or_fail(state, seq, token, logprob)
         events.append(event)
     return state, events
+
+
+def _now(clock: Callable[[], float] | None) -> float:
+    return clock() if clock is not None else 0.0
+
+
+def _note_decode(
+    state: EngineState, rows: int, steps: int, started: float, clock: Callable[[], float] | None
+) -> EngineState:
+    """With speculation and a clock: fold the plain decode steps just run (`steps` model
+    steps of `rows` rows since `started`) into the measured costs."""
+    if state.spec is not None and clock is not None and rows:
+        seconds = (clock() - started) / steps
+        state.spec.costs = with_decode(state.spec.costs, rows, seconds)
+    return state
 
 
 def _sample(rows: list[Sequence], logits: torch.Tensor | None) -> list:
@@ -207,14 +235,21 @@ def _take_or_fail(
 
 
 def _take_run(
-    state: EngineState, params: Params, seqs: list[Sequence], steps: int, events: list
+    state: EngineState,
+    params: Params,
+    seqs: list[Sequence],
+    steps: int,
+    events: list,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[EngineState, list[StreamEvent]]:
     """The decode run of engine_step: the model's steps, then each row's tokens in order up
     to its end, as if each had come in a step of its own."""
     try:
+        started = _now(clock)
         state, runs = _decode_run(state, params, seqs, steps)
     except Exception as exc:
         return _fail(state, seqs, exc, events)
+    state = _note_decode(state, len(seqs), steps, started, clock)
     state.totals.steps += steps
     for seq, tokens in zip(seqs, runs):
         for token in tokens:
@@ -227,7 +262,12 @@ def _take_run(
 
 
 def _take_speculative(
-    state: EngineState, params: Params, plan: StepPlan, proposals: list, events: list
+    state: EngineState,
+    params: Params,
+    plan: StepPlan,
+    proposals: list,
+    events: list,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[EngineState, list[StreamEvent]]:
     """The step with speculation (see speculate_step.py): one forward verifies the proposals
     of the decoding rows, the prompt chunks run as usual; each decoding row then takes its
@@ -237,9 +277,13 @@ def _take_speculative(
         state.sched, proposals = reserve(state.sched, seqs, proposals)
         width = 1 + max(len(p.tokens) for p in proposals)
         lora = batch_lora(state.adapters, seqs, width)
+        started = _now(clock)
         state.sched, state.spec, kept, counts = verify(
             state.sched, state.spec, params, state.model_config, seqs, proposals, lora
         )
+        if clock is not None:  # the forward and the acceptance, against a plain step's
+            seconds = clock() - started
+            state.spec.costs = with_verify(state.spec.costs, len(seqs), width - 1, seconds)
         state, rows, logits = _run_model(state, params, prefill_plan)
         sampled = _sample(rows, logits)
     except Exception as exc:

@@ -159,7 +159,9 @@ class EngineLoop:
         started, steps = time.monotonic(), self._state.totals.steps
         if busy:
             try:
-                self._state, events = engine_step(self._state, self._params, self._step_seconds)
+                self._state, events = engine_step(
+                    self._state, self._params, self._step_seconds, time.perf_counter
+                )
             except Exception as exc:  # never let the thread die with callers waiting
                 self._state = end_all(self._state, "error", describe(exc))
                 self._state, events = engine_step(self._state, self._params)
