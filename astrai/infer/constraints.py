@@ -22,7 +22,6 @@ import json
 import weakref
 
 import llguidance
-import llguidance.torch
 import msgspec
 import torch
 
@@ -132,6 +131,10 @@ def allowed_tokens(
     rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
+    # imported here: llguidance.torch compiles a kernel at import, which loads torch._dynamo
+    # and inductor (~2 s), a cost every program and rank would pay without a grammar
+    import llguidance.torch
+
     bits = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
     bits.fill_(-1)  # every bit set: free rows allow every token
     for matcher, row in rows:  # a finished grammar allows only the stop tokens

@@ -17,8 +17,9 @@ Compiled steps keep the plain form, which inductor fuses itself (`fused_head_app
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 
 from astrai.config import ModelConfig
 from astrai.model import IGNORE
@@ -35,8 +36,15 @@ def fused_head_applies(cfg: ModelConfig, weight) -> bool:
         and cfg.logits_scaling == 1.0
         and cfg.final_logit_softcapping is None
         and isinstance(weight, torch.Tensor)
-        and not isinstance(weight, DTensor)
+        and not _sharded(weight)
     )
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    # a DTensor exists only once its module is loaded; importing it here would cost every
+    # program ~0.6 s of start-up
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(weight, module.DTensor)
 
 
 def head_cross_entropy_sum(

@@ -40,7 +40,8 @@ step = st.tuples(
     st.booleans(),  # offer the accepted tokens to the prefix cache after this step
 )
 request = st.tuples(
-    st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=9), st.lists(step, max_size=MAX_STEPS)
+    st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=9),
+    st.lists(step, max_size=MAX_STEPS),
 )
 
 

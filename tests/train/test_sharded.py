@@ -136,8 +136,8 @@ def test_sharded_ranks_match_one_process(tmp_path, optimizer):
     one = train(tmp_path, "one", 1, cfg)
     start = init_params(TINY, seed=cfg.get("seed", 0))
     assert all(not torch.equal(start[k], one[k]) for k in one)  # training moved every tensor
-    for nproc in (2, 4) if optimizer == "sgd" else (2,):
-        assert_same_weights(train(tmp_path, f"sharded{nproc}", nproc, cfg), one, cfg, steps)
+    # (four ranks: test_checkpoint_of_two_ranks_resumes_on_one_and_four)
+    assert_same_weights(train(tmp_path, "sharded2", 2, cfg), one, cfg, steps)
     # The logged losses and gradient norms agree as well.
     assert_same_logs(tmp_path / "sharded2", tmp_path / "one", cfg)
 
@@ -160,7 +160,7 @@ def test_sharded_bf16_matches_one_process_in_bf16(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, replicas", [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("nproc, replicas", [(2, 1), (4, 2)])  # sharded, hybrid
 def test_each_rank_holds_a_shard_and_one_layer_at_a_time(tmp_path, nproc, replicas):
     out = tmp_path / "probe.json"
     done = torchrun(nproc, PROBE, str(out), str(replicas))
