@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 from infer_models import make_model
+from spec_rows import rows_at_rate
 
 import astrai as ai
 from astrai.infer import spec_costs, speculate_step
 from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams
-from astrai.infer.sequence import Sequence
 from astrai.infer.spec_costs import StepCosts, verify_cost, with_decode, with_verify
 from astrai.infer.state import add_request, init_engine
 from astrai.infer.step import engine_step, run_requests
@@ -55,16 +55,9 @@ def test_a_verify_before_any_decode_step_is_not_a_measurement():
     assert costs.verify == {}
 
 
-def _rows(spec, n: int, rate: float) -> list[Sequence]:
-    seqs = [Sequence(str(i), [1], 1) for i in range(n)]
-    for seq in seqs:
-        spec.rows[seq.id] = speculate_step.RowSpec(rate=rate)
-    return seqs
-
-
 def test_a_cheap_verify_lets_a_step_verify_and_a_dear_one_stops_it():
     spec = speculate_step.Speculator("lookup", 4, 3)
-    seqs = _rows(spec, 16, 0.15)
+    seqs = rows_at_rate(spec, 16, 0.15)
     # 0.15 x 4 = 0.6 expected tokens a row: below the prior's 0.7
     assert not speculate_step.worth_verifying(spec, seqs[:1], [4])
     spec.costs = _measured(1, 4, decode=0.010, verify=0.0105)  # 0.05 beyond a decode step
@@ -142,7 +135,7 @@ def test_an_engine_with_a_clock_times_its_verify_steps_and_stays_exact(target, t
 
 def test_a_drafts_measured_steps_replace_its_weights_share():
     spec = speculate_step.Speculator("draft", 4, 3, draft_cost=0.04)
-    seqs = _rows(spec, 1, 0.5)
+    seqs = rows_at_rate(spec, 1, 0.5)
     # 2 expected tokens against the prior 0.7 + 4 x 0.04
     assert speculate_step.worth_verifying(spec, seqs, [4])
     costs = StepCosts()

@@ -7,12 +7,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 from infer_models import make_model
+from spec_rows import rows_at_rate
 
 import astrai as ai
 from astrai.infer import speculate_step
 from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams
-from astrai.infer.sequence import Sequence
 from astrai.infer.state import init_engine
 from astrai.infer.stats import engine_stats
 from astrai.infer.step import run_requests
@@ -23,18 +23,11 @@ def target():
     return make_model("gqa", seed=0)
 
 
-def _rows(spec, n: int, rate: float) -> list[Sequence]:
-    seqs = [Sequence(str(i), [1], 1) for i in range(n)]
-    for seq in seqs:
-        spec.rows[seq.id] = speculate_step.RowSpec(rate=rate)
-    return seqs
-
-
 def test_the_gate_counts_the_drafts_own_steps():
     lookup = speculate_step.Speculator("lookup", 4, 3)
     draft = speculate_step.Speculator("draft", 4, 3, draft_cost=0.25)
-    seqs = _rows(lookup, 16, 0.4)
-    _rows(draft, 16, 0.4)
+    seqs = rows_at_rate(lookup, 16, 0.4)
+    rows_at_rate(draft, 16, 0.4)
     # one row, 1.6 expected tokens: lookup pays 0.7 of a step; the draft 0.7 + 4 x 0.25 = 1.7
     assert speculate_step.worth_verifying(lookup, seqs[:1], [4])
     assert not speculate_step.worth_verifying(draft, seqs[:1], [4])
