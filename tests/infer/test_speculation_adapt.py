@@ -154,3 +154,18 @@ def test_a_short_draft_stops_only_the_row_at_its_last_position(target, tmp_path,
     after = [c["short"] for c in calls[last + 1 :]]
     assert after and all(p == 4 for n, p in after if n + 4 <= limit)
     assert sum(p == 4 for _, p in after) >= 2
+
+
+def test_a_watching_row_needs_more_than_the_floor_to_verify_again():
+    """One lucky scored proposal lifts a watched row over the floor but not to RATE_RESUME; a
+    verifying row keeps verifying down to the floor."""
+    row = speculate_step.RowSpec(rate=0.1, watching=True)
+    row = speculate_step.fold_watched(row, 4, 2)  # 0.1 + 0.3 x (0.5 - 0.1) = 0.22
+    assert speculate_step.RATE_FLOOR < row.rate < speculate_step.RATE_RESUME and row.watching
+    row = speculate_step.fold_watched(row, 4, 4)  # 0.454
+    assert row.rate >= speculate_step.RATE_RESUME and not row.watching
+    row = speculate_step.fold_watched(row, 4, 0)  # 0.318: under RATE_RESUME, over the floor
+    assert not row.watching
+    row = speculate_step.fold_watched(row, 4, 0)  # 0.22
+    row = speculate_step.fold_watched(row, 4, 0)  # 0.156: under the floor
+    assert row.watching
