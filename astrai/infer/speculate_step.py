@@ -232,13 +232,14 @@ def learn(spec: Speculator, row: RowSpec, proposed: int, accepted: int) -> Specu
 
 
 def new_row(spec: Speculator) -> RowSpec:
-    """A new request's RowSpec, at the engine's prior. Below the floor a lookup row watches
-    (proposes without verifying, see score_unverified) and a draft row starts with the pause
-    the engine's rows last needed, then one try."""
+    """A new request's RowSpec, at the engine's prior. A lookup row watches (proposes without
+    verifying, see score_unverified) unless the prior is at RATE_RESUME, the bar a watching
+    row clears (the prior is mostly scored outcomes too); below the floor a draft row starts
+    with the pause the engine's rows last needed, then one try."""
+    if spec.kind == "lookup":
+        return RowSpec(rate=spec.prior, watching=spec.prior < RATE_RESUME)
     if spec.prior >= RATE_FLOOR:
         return RowSpec(rate=spec.prior)
-    if spec.kind == "lookup":
-        return RowSpec(rate=spec.prior, watching=True)
     return RowSpec(rate=RATE_FLOOR, pause=spec.backoff, backoff=min(2 * spec.backoff, PAUSE_MAX))
 
 

@@ -169,3 +169,10 @@ def test_a_watching_row_needs_more_than_the_floor_to_verify_again():
     row = speculate_step.fold_watched(row, 4, 0)  # 0.22
     row = speculate_step.fold_watched(row, 4, 0)  # 0.156: under the floor
     assert row.watching
+
+
+def test_a_new_lookup_row_watches_unless_the_prior_clears_the_resume_bar():
+    spec = speculate_step.Speculator("lookup", 4, 3)
+    for prior, watching in [(0.5, False), (0.4, False), (0.3, True), (0.1, True)]:
+        spec.prior = prior
+        assert speculate_step.new_row(spec).watching == watching, prior

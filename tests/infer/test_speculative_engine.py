@@ -44,6 +44,7 @@ def always_verify(monkeypatch):
     than only where it pays."""
     monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
     monkeypatch.setattr(speculate_step, "RATE_FLOOR", 0.0)  # no row watches or pauses
+    monkeypatch.setattr(speculate_step, "RATE_RESUME", 0.0)
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

@@ -95,6 +95,7 @@ def test_random_accepts_keep_pool_and_cache_consistent(monkeypatch, heads, tails
     monkeypatch.setattr(speculate_step, "verify_sampled", random_verdict)
     monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
     monkeypatch.setattr(speculate_step, "RATE_FLOOR", 0.0)  # no row watches or pauses
+    monkeypatch.setattr(speculate_step, "RATE_RESUME", 0.0)
     state = init_engine(
         PARAMS,
         CFG,

@@ -57,6 +57,7 @@ def _probs(logits, history):
 def always_verify(monkeypatch):
     monkeypatch.setattr(speculate_step, "worth_verifying", lambda *a: True)
     monkeypatch.setattr(speculate_step, "RATE_FLOOR", 0.0)  # no row watches or pauses
+    monkeypatch.setattr(speculate_step, "RATE_RESUME", 0.0)
 
 
 def _second_tokens(params, cfg, prompt, **settings):
