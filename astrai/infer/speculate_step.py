@@ -69,10 +69,11 @@ from astrai.model.params import param_shapes
 RATE_START = 0.5
 RATE_WEIGHT = 0.3
 RATE_FLOOR = 0.2
-# A watching lookup row verifies again only at RATE_RESUME: it is chosen by its scored
-# proposals, so one lucky proposal over the floor overstates it. Measured on misleading traffic
-# at batch 1 (6 rounds of the speculation bench): 12 and 28 tokens verified, against ~60
-# resuming at the floor. From the floor one wholly kept proposal brings a row to 0.44.
+# A watching lookup row verifies again only at RATE_RESUME, and a new one starts verifying
+# only with the prior there: both are chosen by scored outcomes, which one lucky proposal
+# lifts over the floor. Measured on misleading traffic (6 rounds of the speculation bench),
+# tokens verified at 0.02-0.3 kept: batch 1 ~60 -> 4-8, 16 concurrent 180-206 -> 102. From
+# the floor one wholly kept proposal brings a row to 0.44.
 RATE_RESUME = 0.4
 PAUSE_MIN = 4
 PAUSE_MAX = 64
