@@ -1,13 +1,13 @@
 """What this machine can run: the layouts of float matrices (astrai/infer/layouts.py), the
 8-bit products (astrai/infer/quant.py) and the 4-bit ones (astrai/infer/int4.py), each with the
-reason where it cannot. prepare_params
-chooses among those that run; the tests run each one that does and skip the others, naming why.
+reason where it cannot. prepare_params chooses among those that run; the tests run each one
+that does and skip the others, naming why.
 
 A product is refused for a CPU feature its library needs and the CPU lacks (read from
-/proc/cpuinfo, so that the reason names it), for a shape its kernel mishandles, where our own C kernel did not build (no
-compiler, no AVX2), or when one tiny
-product of it raises here (tried once per process): a library built without the kernel, or held
-below what the CPU offers (ONEDNN_MAX_CPU_ISA=AVX2), then says why in its own words.
+/proc/cpuinfo, so that the reason names it), for a shape its kernel mishandles, where our own C
+kernel did not build (no compiler, no AVX2), or when one tiny product of it raises here (tried
+once per process): a library built without the kernel, or held below what the CPU offers
+(ONEDNN_MAX_CPU_ISA=AVX2), then says why in its own words.
 """
 
 from __future__ import annotations
@@ -74,16 +74,20 @@ def _shape_refused(dtype, name: str, shape, device: torch.device) -> str | None:
 
 
 def _machine_refuses(dtype, name: str, device: torch.device) -> str | None:
-    if name == OUR_KERNEL and dtype in (torch.int8, torch.int4) and device.type != "cpu":
-        return "our C kernel runs on the CPU only"
     needs = CPU_NEEDS.get((dtype, name), ()) if device.type == "cpu" else ()
     flags = cpu_flags()  # empty where the system does not say: the probe alone decides
     if needs and flags and not any(flags.issuperset(group) for group in needs):
         wanted = " or ".join("+".join(group) for group in needs)
         return f"needs the CPU feature {wanted}, which this CPU lacks"
-    if name == OUR_KERNEL and dtype in (torch.int8, torch.int4) and (reason := why_absent()):
+    if name == OUR_KERNEL and (reason := _our_kernel_absent(device)):
         return reason
     return _probe(dtype, name, str(device))
+
+
+def _our_kernel_absent(device: torch.device) -> str | None:
+    """Why our C products (named OUR_KERNEL among the 8- and 4-bit ones) do not run on
+    `device`, or None: they run on the CPU, where they built."""
+    return "our C kernel runs on the CPU only" if device.type != "cpu" else why_absent()
 
 
 def prepared_matrix(w: torch.Tensor, dtype: torch.dtype, name: str):

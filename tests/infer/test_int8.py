@@ -33,8 +33,9 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
     """The worst case of |int8_matrix(w, kernel).linear(x) - x @ w.T|, per output. Each 8-bit
     weight is within half a step (its row's scale / 2) of w; each activation within its own
     rounding of x: a bf16 rounding for weight_only, half the step of the 8-bit activations (7
-    bits without VNNI) over the call's range for dynamic, over its block of 32 for gemv; then the float rounding of the sum
-    (at most one per term), and for weight_only of its bf16 scale and bf16 output."""
+    bits without VNNI) over the call's range for dynamic, over its block of 32 for gemv; then
+    the float rounding of the sum (at most one per term), and for weight_only of its bf16
+    scale and bf16 output."""
     q, scale = quantize_rows(w)
     weights = (q.float() * scale[:, None]).abs()
     if kernel == "weight_only":
