@@ -174,22 +174,58 @@ def forget(spec: Speculator, rid: str) -> Speculator:
     return spec
 
 
-def worth_verifying(spec: Speculator, seqs: list[Sequence], lengths: list[int]) -> bool:
-    """Whether the tokens the proposals of `lengths` tokens are expected to add (each row's
-    moving acceptance times its proposal's length) pay for what proposing and verifying
-    cost: a step of B rows gives B tokens without speculation, so the gain must exceed
-    B x (verify_cost + k x draft_cost), k the longest proposal (a draft runs k steps for
-    every row it drafts for; lookup costs no forward). verify_cost is what this engine
-    measured a verify step of about B rows and this k to cost beyond a plain decode step
-    (spec_costs.py), 0.3 + 0.1 k until it has; a draft step's share likewise, the share of
-    the weights each reads (`draft_cost`) until measured. A large batch in which few rows propose
-    decodes plainly: at 16 rows a proposal of 4 needs about 11 expected tokens at the prior,
-    16 to 21 at the 1.0-1.3 measured there on one thread."""
+def worth_verifying(
+    spec: Speculator,
+    seqs: list[Sequence],
+    lengths: list[int],
+    closed_batch: list[Sequence] | None = None,
+) -> bool:
+    """Whether the decode steps the proposals of `lengths` tokens are expected to save
+    (`steps_saved`) pay for what proposing and verifying cost: verify_cost + k x draft_cost
+    steps, k the longest proposal (a draft runs k steps for every row it drafts for; lookup
+    costs no forward). verify_cost is what this engine measured a verify step of about this
+    many rows and this k to cost beyond a plain decode step (spec_costs.py), 0.3 + 0.1 k
+    until it has; a draft step's share likewise, the share of the weights each reads
+    (`draft_cost`) until measured. A large batch in which few rows propose decodes plainly:
+    at 16 rows a proposal of 4 needs about 11 expected tokens at the prior, 16 to 21 at the
+    1.0-1.3 measured there on one thread; with a `closed_batch`, see steps_saved."""
     longest = max(lengths, default=0)
-    gain = sum(spec.rows[seq.id].rate * n for seq, n in zip(seqs, lengths))
     draft = draft_cost(spec.costs, len(seqs), spec.draft_cost)  # lookup's: none measured, 0
     cost = verify_cost(spec.costs, len(seqs), longest) + longest * draft
-    return longest > 0 and gain > len(seqs) * cost
+    return longest > 0 and steps_saved(spec, seqs, lengths, closed_batch) > cost
+
+
+def steps_saved(
+    spec: Speculator,
+    seqs: list[Sequence],
+    lengths: list[int],
+    closed_batch: list[Sequence] | None = None,
+) -> float:
+    """The batch's decode steps that verifying proposals of `lengths` tokens is expected to
+    save; a row expects its moving acceptance times its proposal's length more tokens.
+
+    In general, the tokens expected over the B a plain step of B rows gives: what the rows
+    gain is what a server gains (a row that ends sooner makes room for another, or answers
+    sooner), and when rows end at a stop token nobody can foresee which row the batch waits
+    for last. But when the batch is closed (`closed_batch`: every unfinished request, none
+    waiting to join, those still feeding their prompts included) and each of its rows can
+    end only at its length, the batch takes as many steps as its longest row has tokens left,
+    and only the rows that decide that count: of 16 rows of equal length, 4 rows that gain 4
+    tokens each save no step, while verifying them costs a step's share of all 16 (measured,
+    16 concurrent random prompts: such steps, 4-6 rows of 16 expecting 3-4 tokens each, took
+    the benchmark's row to 0.90-0.97x)."""
+    gains = {seq.id: spec.rows[seq.id].rate * n for seq, n in zip(seqs, lengths)}
+    if closed_batch is None or not all(_ends_at_length(seq) for seq in closed_batch):
+        return sum(gains.values()) / len(seqs)
+    left = [seq.max_len - len(seq.tokens) for seq in closed_batch]
+    after = [n - gains.get(seq.id, 0.0) for seq, n in zip(closed_batch, left)]
+    return max(left) - max(after)
+
+
+def _ends_at_length(seq: Sequence) -> bool:
+    """Whether nothing but its length can end the row: no stop token, stop string or
+    grammar (text.token_text's conditions), and a length."""
+    return seq.max_len > 0 and not (seq.stop_ids or seq.sampling.stop or seq.matcher)
 
 
 def fold_rate(row: RowSpec, proposed: int, accepted: int) -> RowSpec:
@@ -329,7 +365,9 @@ def _rooms(spec: Speculator, seqs: list[Sequence]) -> list[int]:
     return rooms
 
 
-def _propose_lookup(spec: Speculator, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+def _propose_lookup(
+    spec: Speculator, seqs: list[Sequence], rooms: list[int], closed_batch: list[Sequence] | None
+) -> list[Proposal]:
     """Every row with room proposes; the proposals of rows below the floor, and all of them
     when the step would not pay, are kept unverified, to be scored by what the rows write."""
     proposals = [Proposal([])] * len(seqs)
@@ -339,7 +377,7 @@ def _propose_lookup(spec: Speculator, seqs: list[Sequence], rooms: list[int]) ->
     verified = [
         Proposal([]) if spec.rows[seq.id].watching else p for seq, p in zip(seqs, proposals)
     ]
-    if not worth_verifying(spec, seqs, [len(p.tokens) for p in verified]):
+    if not worth_verifying(spec, seqs, [len(p.tokens) for p in verified], closed_batch):
         verified = [Proposal([])] * len(seqs)
     for seq, p, v in zip(seqs, proposals, verified):
         if p.tokens and not v.tokens:
@@ -348,14 +386,18 @@ def _propose_lookup(spec: Speculator, seqs: list[Sequence], rooms: list[int]) ->
 
 
 def _propose_draft(
-    spec: Speculator, seqs: list[Sequence], rooms: list[int], clock: Callable[[], float] | None
+    spec: Speculator,
+    seqs: list[Sequence],
+    rooms: list[int],
+    closed_batch: list[Sequence] | None,
+    clock: Callable[[], float] | None,
 ) -> list[Proposal]:
     """The draft's proposals for the rows with room, when they are expected to pay for the
     draft's steps and the verify forward (judged before drafting, on the rows' rooms). With
     a clock, the draft's steps are timed into spec.costs."""
     proposals = [Proposal([])] * len(seqs)
     asking = [i for i, room in enumerate(rooms) if room > 0]
-    if not asking or not worth_verifying(spec, seqs, rooms):
+    if not asking or not worth_verifying(spec, seqs, rooms, closed_batch):
         return proposals
     started, steps = clock() if clock else 0.0, max(rooms[i] for i in asking)
     spec.draft, drafted = draft_propose_batch(
@@ -377,15 +419,19 @@ def _propose_draft(
 
 
 def propose(
-    spec: Speculator, seqs: list[Sequence], clock: Callable[[], float] | None = None
+    spec: Speculator,
+    seqs: list[Sequence],
+    clock: Callable[[], float] | None = None,
+    closed_batch: list[Sequence] | None = None,
 ) -> tuple[Speculator, list[Proposal]]:
     """Each decoding sequence's proposal to verify: empty for a paused or watching row, or
     one with no room; all empty when they are not worth verifying (see worth_verifying).
-    clock: the draft's steps are timed with it (engine_step's)."""
+    clock: the draft's steps are timed with it (engine_step's). closed_batch: every
+    unfinished request when none waits to join them (see steps_saved)."""
     rooms = _rooms(spec, seqs)
     if spec.kind == "lookup":
-        return spec, _propose_lookup(spec, seqs, rooms)
-    return spec, _propose_draft(spec, seqs, rooms, clock)
+        return spec, _propose_lookup(spec, seqs, rooms, closed_batch)
+    return spec, _propose_draft(spec, seqs, rooms, closed_batch, clock)
 
 
 def reserve(

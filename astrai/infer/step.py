@@ -159,7 +159,8 @@ def engine_step(
         return state, events
     if state.spec is not None and plan.decode:
         try:
-            state.spec, proposals = propose(state.spec, plan.decode, clock)
+            closed = None if state.sched.waiting else state.sched.running  # none waits to join
+            state.spec, proposals = propose(state.spec, plan.decode, clock, closed)
         except Exception as exc:
             return _fail(state, [*plan.decode, *(seq for seq, _ in plan.prefill)], exc, events)
         if any(p.tokens for p in proposals):

@@ -295,7 +295,7 @@ def peer_speculation(b, specs: dict, per_round: int) -> None:
             ours, theirs = f"engine {kind}", f"llama.cpp {kind}"
             batches = _rounds_of(prompts, rounds, per_round)
             names = (ours, theirs, "llama.cpp plain")
-            measured = rates_and_counts(b, processes, names, batches, n, alone=True)
+            measured = rates_and_counts(b, processes, names, batches, n)
             label = f"{kind} k={k}, batch 1, {traffic}"
             for name, pair in (
                 (f"llama.cpp {label}", (theirs, "llama.cpp plain")),  # what it gains llama.cpp

@@ -59,15 +59,17 @@ def _spec(b, folder, work: Workload, settings: dict) -> dict:
     }
 
 
-def rates_and_counts(b, processes, names, batches, n, alone=False) -> tuple[dict, dict, dict]:
+def rates_and_counts(b, processes, names, batches, n, group=1) -> tuple[dict, dict, dict]:
     """Interleaved rounds of the named sides on batches[1:] (batches[0] warms up) -> (rates,
-    outputs, {name: counts during the measured rounds}). alone: each request of a round is
-    sent by itself after the previous one (batch 1), else a round's requests run together."""
+    outputs, {name: counts during the measured rounds}). A round's requests are sent `group`
+    at a time, each group after the previous one has ended (1: batch 1)."""
 
     def call(process):
-        if alone:
-            return lambda batch: [process.generate([r], n)[0] for r in batch]
-        return lambda batch: process.generate(batch, n)
+        def run(batch):
+            groups = [batch[i : i + group] for i in range(0, len(batch), group)]
+            return [out for requests in groups for out in process.generate(requests, n)]
+
+        return run
 
     calls: dict[str, Callable] = {name: call(processes[name]) for name in names}
     for warm_up in calls.values():
@@ -124,7 +126,7 @@ def speculation(b) -> None:
     quick = b.work.new_tokens < 64
     n = 16 if quick else 24  # within the quotes the model learned (QUOTE tokens)
     steps = 20 if quick else 300
-    per_round = 1 if quick else 4  # batch-1 requests per round, one after another
+    per_round = 1 if quick else 4  # per round: requests one after another, or batches of 16
     target, draft = spec_models(b.folder.parent, b.size, steps)
     work = dataclasses.replace(
         b.work, prompt_len=DOC + QUOTE + K + 1, new_tokens=n, concurrency=(CONCURRENT,)
@@ -139,63 +141,55 @@ def speculation(b) -> None:
     }
     rounds = b.work.rounds + 1
 
-    def one_by_one(prompts):  # per_round prompts for each round
-        return [prompts[i : i + per_round] for i in range(0, rounds * per_round, per_round)]
+    def in_rounds(prompts, group):  # per_round groups of `group` prompts for each round
+        size = per_round * group
+        return [prompts[i : i + size] for i in range(0, rounds * size, size)]
 
-    grounded = grounded_prompts(rounds * max(per_round, CONCURRENT), n)
+    many = rounds * per_round * CONCURRENT  # prompts for the rounds of 16 concurrent
+    grounded = grounded_prompts(many, n)
     cases = [
-        ("lookup", f"lookup k={K} vs none, batch 1, grounded", one_by_one(grounded), True),
-        (
-            "draft",
-            f"draft k={K} vs none, batch 1, chat-like",
-            one_by_one(chat_prompts(rounds * per_round, 32)),
-            True,
-        ),
+        ("lookup", f"lookup k={K} vs none, batch 1, grounded", grounded, 1),
+        ("draft", f"draft k={K} vs none, batch 1, chat-like", chat_prompts(many, 32), 1),
         (
             "draft",
             f"draft k={K} vs none, batch 1, rarely accepted (grounded: the draft does not copy)",
-            one_by_one(grounded_prompts(rounds * per_round, n, seed=7)),
-            True,
+            grounded_prompts(many, n, seed=7),
+            1,
         ),
         (
             "lookup",
             f"lookup k={K} vs none, batch 1, random prompts (the model repeats itself)",
-            one_by_one(random_prompts(rounds * per_round, 32)),
-            True,
+            random_prompts(many, 32),
+            1,
         ),
         (
             "lookup",
             f"lookup k={K} vs none, batch 1, rarely accepted (misleading)",
-            one_by_one(misleading_prompts(rounds * per_round, n)),
-            True,
+            misleading_prompts(many, n),
+            1,
         ),
         (
             "lookup",
             f"lookup k={K} vs none, {CONCURRENT} concurrent, random prompts",
-            _groups(random_prompts(rounds * CONCURRENT, 32, seed=4), rounds),
-            False,
+            random_prompts(many, 32, seed=4),
+            CONCURRENT,
         ),
         (
             "lookup",
             f"lookup k={K} vs none, {CONCURRENT} concurrent, rarely accepted (misleading)",
-            _groups(misleading_prompts(rounds * CONCURRENT, n, seed=8), rounds),
-            False,
+            misleading_prompts(many, n, seed=8),
+            CONCURRENT,
         ),
         (
             "lookup",
             f"lookup k={K} vs none, {CONCURRENT} concurrent, grounded",
-            _groups(grounded, rounds),
-            False,
+            grounded,
+            CONCURRENT,
         ),
     ]
     with side_processes(specs, torch.get_num_threads()) as processes:
-        for spec_side, label, batches, one_at_a_time in cases:
-            pair = (spec_side, "plain")
-            measured = rates_and_counts(b, processes, pair, batches, n, alone=one_at_a_time)
+        for spec_side, label, prompts, group in cases:
+            pair, batches = (spec_side, "plain"), in_rounds(prompts, group)
+            measured = rates_and_counts(b, processes, pair, batches, n, group)
             b.rows.append(_row(b, label, pair, *measured, batches))
     spec_peer.peer_speculation(b, specs, per_round)  # with --peer llama.cpp: its rows too
-
-
-def _groups(prompts: list[list[int]], rounds: int) -> list[list[list[int]]]:
-    size = len(prompts) // rounds
-    return [prompts[i * size : (i + 1) * size] for i in range(rounds)]

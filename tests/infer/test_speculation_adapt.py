@@ -13,6 +13,7 @@ import astrai as ai
 from astrai.infer import speculate_step
 from astrai.infer.requests import Request
 from astrai.infer.sampling import SamplingParams
+from astrai.infer.sequence import Sequence
 from astrai.infer.state import init_engine
 from astrai.infer.stats import engine_stats
 from astrai.infer.step import run_requests
@@ -176,3 +177,54 @@ def test_a_new_lookup_row_watches_unless_the_prior_clears_the_resume_bar():
     for prior, watching in [(0.5, False), (0.4, False), (0.3, True), (0.1, True)]:
         spec.prior = prior
         assert speculate_step.new_row(spec).watching == watching, prior
+
+
+def test_a_closed_batch_of_fixed_lengths_verifies_only_what_shortens_it():
+    """With no request waiting and rows that end only at their length, the batch lasts as
+    long as its longest row: proposals that do not shorten it save no step."""
+    spec = speculate_step.Speculator("lookup", 4, 3)
+    seqs = rows_at_rate(spec, 16, 1.0)
+    for seq in seqs:
+        seq.max_len = 24  # 23 tokens to go each
+    few = [4] * 4 + [0] * 12
+    assert speculate_step.worth_verifying(spec, seqs, few)  # 16 tokens over 16 rows, > 0.7
+    assert not speculate_step.worth_verifying(spec, seqs, few, seqs)
+    assert speculate_step.worth_verifying(spec, seqs, [4] * 16, seqs)
+    for seq in seqs[4:]:  # the others are ahead: the four proposing rows decide the length
+        seq.tokens += [1] * 4
+    assert speculate_step.steps_saved(spec, seqs, few, seqs) == 4
+    feeding = Sequence("p", [1], 1, max_len=24)  # still feeding its prompt: 23 to go as well
+    assert not speculate_step.worth_verifying(spec, seqs[:4], [4] * 4, [*seqs, feeding])
+    seqs[5].stop_ids = frozenset({3})  # a row that may stop sooner: no row decides the length
+    for seq in seqs[4:]:
+        seq.tokens = seq.tokens[:1]
+    assert speculate_step.worth_verifying(spec, seqs, few, seqs)
+
+
+def test_in_a_closed_batch_only_proposals_for_every_row_verify(target, monkeypatch):
+    """Two of four rows with proposals the model keeps: the gate's tokens would pay for the
+    verify step, but the batch waits for the other two, so with lengths fixed nothing is
+    verified; with a stop token that may end any row sooner, they are. Outputs are the same."""
+    params, cfg = target
+
+    def spec_steps(sampling, proposing):
+        requests = [Request(str(i), [5 + i, 17, 3 * i + 1], sampling) for i in range(4)]
+        plain = init_engine(params, cfg, None, max_batch=4)
+        _, expected = run_requests(plain, params, requests)
+        future = {tuple(r.prompt): c.token_ids for r, c in zip(requests[:proposing], expected)}
+
+        def proposer(index, k):  # the target's own next tokens, for the proposing rows
+            done = len(index.tokens) - 3
+            return list(future.get(tuple(index.tokens[:3]), [])[done : done + k])
+
+        monkeypatch.setattr(speculate_step, "propose_lookup", proposer)
+        state = init_engine(params, cfg, None, max_batch=4, speculative="lookup")
+        state, got = run_requests(state, params, requests)
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        return engine_stats(state).spec_steps
+
+    fixed = SamplingParams(temperature=0.0, max_tokens=30)
+    assert spec_steps(fixed, 2) == 0
+    assert spec_steps(fixed, 4) > 0
+    may_stop = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[cfg.vocab_size - 1])
+    assert spec_steps(may_stop, 2) > 0
