@@ -17,7 +17,7 @@ from astrai.infer import int4
 from astrai.infer.allocator import keep_freed_memory
 from astrai.infer.layouts import LAYOUTS
 from astrai.infer.packed import DTYPES
-from astrai.infer.quant import BUILDERS, int8_matrix, quantize_rows
+from astrai.infer.quant import BUILDERS, Int8Matrix, int8_matrix, quantize_rows
 from astrai.infer.support import products_here
 from astrai.model import Params
 from astrai.model.layers import FUSED, project
@@ -28,6 +28,7 @@ EMBED_KEY = "model.embed_tokens.weight"
 QUANTIZE = ("int8", "int4")
 SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
 TUNE_ROWS = (1, 16)  # batch sizes the choices are timed at: one stream, and a busy server
+SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fastest_int8)
 
 
 def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[str]:
@@ -94,39 +95,47 @@ def _fastest_layout(
     return choice
 
 
-def _time(run, x: torch.Tensor, calls: int = 5, rounds: int = 3) -> float:
-    """Seconds per call, best of `rounds` (a shared machine's noise only ever adds time)."""
-    run(x)  # warm-up
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run(x)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-
 @functools.cache
-def _fastest_int8(out_features: int, in_features: int, device: str, threads: int) -> str:
-    """The int8 product of quant.BUILDERS, among those that run here, fastest for [out, in]."""
+def _fastest_int8(
+    out_features: int, in_features: int, device: str, copies: int, threads: int
+) -> tuple[str, tuple[int, str] | None]:
+    """(kernel, split): the int8 product of quant.BUILDERS, among those that run here,
+    fastest for [out, in] at one row, and where another is faster at 16 rows the split
+    (rows, other) that hands it inputs of more rows (rows 4 when the first still wins at 4,
+    else 1). Timed as a decode step reads them, streamed: a pass over `copies` matrices of
+    the shape at each of SPLIT_ROWS rows, best of three alternating rounds."""
     kernels = runnable(torch.int8, (out_features, in_features), device)
     q, scale = quantize_rows(torch.randn(out_features, in_features, device=device))
-    timings = {
-        kernel: sum(
-            _time(BUILDERS[kernel](q, scale), torch.randn(rows, in_features, device=device))
-            for rows in TUNE_ROWS
-        )
-        for kernel in kernels
-    }
-    best = min(timings, key=timings.get)
-    shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
-    log.info("int8 %dx%d: %s (%s)", out_features, in_features, best, shown)
-    return best
+    # a copy of q each: a product that reads q where it lies would otherwise read it from cache
+    runs = {k: [BUILDERS[k](q.clone(), scale) for _ in range(copies)] for k in kernels}
+    winners = {}
+    for rows in SPLIT_ROWS:
+        x = torch.randn(rows, in_features, device=device)
+        timings = _best_of_rounds(runs, functools.partial(_pass, x=x))
+        winners[rows] = min(timings, key=timings.get)
+        shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
+        shape = f"{out_features}x{in_features} (x{copies})"
+        log.info("int8 %s at %d rows: %s (%s a pass)", shape, rows, winners[rows], shown)
+    few, many = winners[SPLIT_ROWS[0]], winners[SPLIT_ROWS[-1]]
+    if few == many:
+        return few, None
+    return few, (SPLIT_ROWS[1] if winners[SPLIT_ROWS[1]] == few else SPLIT_ROWS[0], many)
 
 
-def fastest_kernel(out_features: int, in_features: int, device: torch.device) -> str:
-    """The int8 product that measures fastest for [out, in] on this machine (cached)."""
-    return _fastest_int8(out_features, in_features, str(device), torch.get_num_threads())
+def _pass(runs: list, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for run in runs:
+        run(x)
+    return time.perf_counter() - start
+
+
+def fastest_kernel(
+    out_features: int, in_features: int, device: torch.device, copies: int = 1
+) -> tuple[str, tuple[int, str] | None]:
+    """(kernel, split): the int8 product that measures fastest for `copies` [out, in] matrices
+    streamed one after the other here, by number of rows (see _fastest_int8; cached)."""
+    threads = torch.get_num_threads()
+    return _fastest_int8(out_features, in_features, str(device), copies, threads)
 
 
 @functools.cache
@@ -149,14 +158,7 @@ def _fastest_int4(
             build = int4.BUILDERS[kernel]
             candidates[kernel, group] = [build(q, scale, zero, group)[1] for _ in range(copies)]
 
-    def seconds(runs: list) -> float:
-        start = time.perf_counter()
-        for x in inputs:
-            for run in runs:
-                run(x)
-        return time.perf_counter() - start
-
-    timings = _best_of_rounds(candidates, seconds)
+    timings = _best_of_rounds(candidates, lambda runs: sum(_pass(runs, x) for x in inputs))
     best = min(timings, key=timings.get)
     shown = ", ".join(f"{k}/{g} {t * 1e3:.3f} ms" for (k, g), t in timings.items())
     log.info("int4 %dx%d (x%d): %s/%d (%s a pass)", out_features, in_features, copies, *best, shown)
@@ -172,12 +174,15 @@ def fastest_int4(
     return _fastest_int4(out_features, in_features, str(device), copies, threads)
 
 
-def _int4_copies(matrices: list[torch.Tensor]) -> Counter:
+def _copies(matrices: list[torch.Tensor], bits: int) -> Counter:
     """{shape: how many of the matrices to stream when timing it}: as many as the model has,
-    within SWEEP_BYTES of 4-bit scratch."""
+    within SWEEP_BYTES of scratch at `bits` a weight."""
     kinds = Counter(w.shape for w in matrices)
     return Counter(
-        {shape: min(n, max(1, 2 * SWEEP_BYTES // shape.numel())) for shape, n in kinds.items()}
+        {
+            shape: min(n, max(1, 8 * SWEEP_BYTES // (bits * shape.numel())))
+            for shape, n in kinds.items()
+        }
     )
 
 
@@ -263,11 +268,13 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
         params["lm_head.weight"] = params[EMBED_KEY]  # laid out (a copy) as a matrix below
     matrices = {key: w for key, w in params.items() if _is_matrix(key, w)}
     if quantize == "int8":
+        copies = _copies(list(matrices.values()), bits=8)
         params |= {
-            key: int8_matrix(w, fastest_kernel(*w.shape, w.device)) for key, w in matrices.items()
+            key: int8_matrix(w, *fastest_kernel(*w.shape, w.device, copies[w.shape]))
+            for key, w in matrices.items()
         }
     elif quantize == "int4":
-        copies = _int4_copies(list(matrices.values()))
+        copies = _copies(list(matrices.values()), bits=4)
         params |= {
             key: int4.int4_matrix(w, *fastest_int4(*w.shape, w.device, copies[w.shape]))
             for key, w in matrices.items()
@@ -282,12 +289,15 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
 
 
 def kernels_used(params: Params) -> dict[str, int]:
-    """How many matrices of prepared params run each product: an Int8Matrix's or
-    PackedMatrix's kernel, "int4 KERNEL/GROUP" for an Int4Matrix, "float" for a plain tensor."""
+    """How many matrices of prepared params run each product: an Int8Matrix's product (its
+    kernel, or "A up to N rows, then B"), a PackedMatrix's kernel, "int4 KERNEL/GROUP" for an
+    Int4Matrix, "float" for a plain tensor."""
     counts: Counter[str] = Counter()
     for key, w in params.items():
         if isinstance(w, int4.Int4Matrix):
             counts[f"int4 {w.kernel}/{w.group}"] += 1
+        elif isinstance(w, Int8Matrix):
+            counts[w.product] += 1
         elif not isinstance(w, torch.Tensor):
             counts[w.kernel] += 1
         elif _is_matrix(key, w):

@@ -9,9 +9,12 @@ three products:
   inputs on each call (each row on its own), integer dot products (AVX-512 VNNI or AVX2), the
   weights streamed once whatever the number of rows. Absent without a C compiler or AVX2.
 
-Which one wins depends on the CPU (VNNI, AMX, AVX2 only) and on the shape, so prepare_params
-times those that run here (astrai/infer/support.py) for each shape at load, and keeps the
-faster.
+Which one wins depends on the CPU (VNNI, AMX, AVX2 only), on the shape and on the number of
+rows, so prepare_params times those that run here (astrai/infer/support.py) for each shape at
+load, and keeps the faster; where one wins at few rows and another at many, a matrix keeps
+both (`split`): measured on a 2-core Zen 5 (two threads, the 0.5B shapes streamed from
+memory), "gemv" read 40-52 GB/s at one row where fbgemm's "dynamic" read 28-37, and 7.5-12 at
+16 rows where "dynamic" read 9-22.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ class Int8Matrix:
     scale: torch.Tensor  # float32 [out]
     kernel: str  # one of KERNELS
     run: Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out], the chosen product
+    split: tuple[int, str] | None = None  # (rows, other): `other` runs inputs of more rows
+
+    @property
+    def product(self) -> str:
+        if self.split is None:
+            return self.kernel
+        return f"{self.kernel} up to {self.split[0]} rows, then {self.split[1]}"
 
     @property
     def shape(self) -> torch.Size:
@@ -100,9 +110,23 @@ def _gemv(q: torch.Tensor, scale: torch.Tensor) -> Callable:
 BUILDERS = {"weight_only": _weight_only, "dynamic": _dynamic, "gemv": _gemv}
 
 
-def int8_matrix(w: torch.Tensor, kernel: str) -> Int8Matrix:
-    """w [out, in] in 8 bits, multiplied by `kernel`'s product (one of KERNELS)."""
-    if kernel not in BUILDERS:
-        raise ValueError(f"unknown int8 kernel {kernel!r}; one of {', '.join(KERNELS)}")
+def int8_matrix(w: torch.Tensor, kernel: str, split: tuple[int, str] | None = None) -> Int8Matrix:
+    """w [out, in] in 8 bits, multiplied by `kernel`'s product (one of KERNELS); with a split
+    (rows, other), by `kernel`'s for inputs of up to that many rows and by `other`'s beyond
+    (each keeps its own copy of the weights)."""
+    for name in (kernel, *split[1:]) if split else (kernel,):
+        if name not in BUILDERS:
+            raise ValueError(f"unknown int8 kernel {name!r}; one of {', '.join(KERNELS)}")
     q, scale = quantize_rows(w)
-    return Int8Matrix(q, scale, kernel, BUILDERS[kernel](q, scale))
+    run = BUILDERS[kernel](q, scale)
+    if split is None:
+        return Int8Matrix(q, scale, kernel, run)
+    rows, other = split
+    return Int8Matrix(q, scale, kernel, _by_rows(run, BUILDERS[other](q, scale), rows), split)
+
+
+def _by_rows(few: Callable, many: Callable, rows: int) -> Callable:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return few(x) if x.numel() <= rows * x.shape[-1] else many(x)
+
+    return run

@@ -135,7 +135,7 @@ ENGINE_CALLS = {
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_engine_matches_recomputation_with_the_same_8_bit_weights(kind, kernel, monkeypatch):
     skip_unless_here(kernel)
-    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: kernel)
+    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: (kernel, None))
     params, cfg = make_model(kind)
     reference = prepare_params(params, quantize="int8")
     assert set(kernels_used(reference)) == {kernel}
@@ -163,6 +163,7 @@ def test_a_width_one_product_cannot_take_is_multiplied_by_another():
     others = {name for name, why in products_here(torch.int8, (48, 24)).items() if why is None}
     assert "weight_only" not in others
     assert {w.kernel for w in matrices if w.shape[1] == 24} <= others
+    assert {w.split[1] for w in matrices if w.shape[1] == 24 and w.split} <= others
     logits = ai.forward(prepared, cfg, torch.tensor([[1, 2, 3, 4]]))
     assert logits.shape == (1, 4, cfg.vocab_size) and bool(logits.isfinite().all())
 
@@ -273,3 +274,36 @@ def test_our_kernel_picks_the_tokens_torchs_products_pick(trained):
         with torch.inference_mode():
             choices[kernel] = ai.forward(prepared, cfg, held_out).argmax(-1)
     assert float((choices["gemv"] == choices["weight_only"]).float().mean()) >= 0.99
+
+
+def test_a_split_matrix_runs_one_product_up_to_its_rows_and_the_other_beyond():
+    skip_unless_here("gemv", (48, 96))
+    skip_unless_here("weight_only", (48, 96))
+    _, w = operands("signed", 1)
+    x = torch.randn(5, 96)
+    split = int8_matrix(w, "gemv", (4, "weight_only"))
+    assert split.product == "gemv up to 4 rows, then weight_only"
+    few, many = int8_matrix(w, "gemv"), int8_matrix(w, "weight_only")
+    assert torch.equal(split.linear(x[:4]), few.linear(x[:4]))
+    assert torch.equal(split.linear(x), many.linear(x))
+    assert not torch.equal(few.linear(x), many.linear(x))  # so the two above tell them apart
+    assert torch.equal(split.linear(x[:2, None]), few.linear(x[:2, None]))  # rows of any shape
+
+
+@pytest.mark.parametrize(
+    "seconds, choice",
+    [
+        ({"a": (1, 1, 9), "b": (2, 2, 3)}, ("a", (4, "b"))),  # a up to 4 rows, b at 16
+        ({"a": (1, 3, 9), "b": (2, 2, 3)}, ("a", (1, "b"))),  # a at one row only
+        ({"a": (1, 2, 3), "b": (2, 3, 4)}, ("a", None)),  # a everywhere
+        ({"a": (2, 1, 9), "b": (1, 2, 3)}, ("b", None)),  # b at 1 and 16 rows: no split
+    ],
+)
+def test_the_int8_choice_splits_where_another_product_wins_at_more_rows(
+    seconds, choice, monkeypatch, fresh_choices
+):
+    at = {rows: i for i, rows in enumerate(prepare.SPLIT_ROWS)}
+    monkeypatch.setattr(prepare, "runnable", lambda *args: list(seconds))
+    monkeypatch.setattr(prepare, "BUILDERS", {name: lambda q, s, n=name: n for name in seconds})
+    monkeypatch.setattr(prepare, "_pass", lambda runs, x: seconds[runs[0]][at[x.shape[0]]])
+    assert prepare.fastest_kernel(8, 16, torch.device("cpu"), copies=2) == choice
