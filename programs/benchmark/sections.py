@@ -210,7 +210,20 @@ def sides(b: Bench, names: tuple[str, ...]) -> Iterator[dict[str, Callable]]:
     with side_processes(specs, torch.get_num_threads()) as processes:
         if "engine" in processes:
             _note_kernels(b, processes["engine"].facts["kernels"])
+        for name, process in processes.items():
+            side, _, fmt = name.partition(" ")
+            if side == "engine" and fmt:
+                _note_format_kernels(b, fmt, process.facts["kernels"])
         yield {name: process.generate for name, process in processes.items()}
+
+
+def _note_format_kernels(b: Bench, fmt: str, kernels: dict[str, int]) -> None:
+    """Which products the Engine chose for the weights in another format (int4, int8: by
+    timing at load, so the rows say what ran)."""
+    chosen = b.extra.setdefault("kernels_by_format", {})
+    if fmt not in chosen:
+        chosen[fmt] = kernels
+        b.note(f"our matrix products, {fmt}: {', '.join(f'{n} {k}' for k, n in kernels.items())}")
 
 
 def with_formats(b: Bench, side: str) -> tuple[str, ...]:

@@ -43,6 +43,10 @@ def test_peer_rows_in_decode_throughput_and_prefill(tmp_path, capsys):
     # the same weights: llama.cpp's F32 greedy tokens start like ours
     assert results["greedy_agreement"]["engine_vs_llama.cpp F32"] > 0.5
     assert any("extra buffer types" in note for note in results["notes"])
+    # the products each format's Engine chose, every matrix of the tiny model counted
+    quantized = {"int8"} | ({"int4"} if int4 else set())
+    assert quantized <= set(results["kernels_by_format"])
+    assert all(sum(results["kernels_by_format"][f].values()) == 2 * 4 + 1 for f in quantized)
     assert all((tmp_path / "models" / "tiny" / f"llama.cpp-{t.lower()}.gguf").exists() for t in types)  # fmt: skip
 
 
