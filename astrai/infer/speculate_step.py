@@ -19,7 +19,9 @@ pages past the request's next position and rolls the draft back to the tokens th
 Speculation adapts (`update_rate`, `worth_verifying`): each request keeps a moving average of
 the share of its proposed tokens that were kept, and a step verifies only when the tokens its
 proposals are expected to add pay for the verify forward and, with a draft, the draft's own
-steps, which a batch of many rows with few good proposals does not. A prompt-lookup row whose
+steps, which a batch of many rows with few good proposals does not (in a closed batch of
+rows that end only at their length, the steps they save the batch: `steps_saved`). A
+prompt-lookup row whose
 rate is low goes on proposing (a few dictionary lookups) without verifying: its proposal is
 scored against the tokens the row then writes (`score_unverified`), so its rate follows its
 traffic at no forward's cost, and it verifies again once that rate is back. A draft row, whose
@@ -204,8 +206,8 @@ def steps_saved(
     """The batch's decode steps that verifying proposals of `lengths` tokens is expected to
     save; a row expects its moving acceptance times its proposal's length more tokens.
 
-    In general, the tokens expected over the B a plain step of B rows gives: what the rows
-    gain is what a server gains (a row that ends sooner makes room for another, or answers
+    In general, the tokens the rows expect over the B tokens a plain step of B rows gives:
+    tokens are what a server gains (a row that ends sooner makes room for another, or answers
     sooner), and when rows end at a stop token nobody can foresee which row the batch waits
     for last. But when the batch is closed (`closed_batch`: every unfinished request, none
     waiting to join, those still feeding their prompts included) and each of its rows can
