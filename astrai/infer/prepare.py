@@ -44,10 +44,11 @@ def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[s
     )
 
 
-def _sweep(matrices: list, x: torch.Tensor) -> float:
+def _pass(runs: list, x: torch.Tensor) -> float:
+    """Seconds to multiply x by each of the products `runs`, one after the other."""
     start = time.perf_counter()
-    for w in matrices:
-        project(x, w)
+    for run in runs:
+        run(x)
     return time.perf_counter() - start
 
 
@@ -75,12 +76,11 @@ def _fastest_layout(
     plain = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
     inputs = [torch.full((rows, in_features), 0.5, dtype=dtype) for rows in TUNE_ROWS]
 
-    def seconds(matrices: list) -> float:
-        return sum(_sweep(matrices, x) for x in inputs)
-
     names = runnable(dtype, (out_features, in_features))
-    candidates = {name: [LAYOUTS[name](w) for w in plain] for name in names}
-    best = _best_of_rounds(candidates, seconds)
+    candidates = {
+        name: [functools.partial(project, weight=LAYOUTS[name](w)) for w in plain] for name in names
+    }
+    best = _best_of_rounds(candidates, lambda runs: sum(_pass(runs, x) for x in inputs))
     choice = min(best, key=best.get)
     shown = ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in best.items())
     log.info(
@@ -108,25 +108,17 @@ def _fastest_int8(
     q, scale = quantize_rows(torch.randn(out_features, in_features, device=device))
     # a copy of q each: a product that reads q where it lies would otherwise read it from cache
     runs = {k: [BUILDERS[k](q.clone(), scale) for _ in range(copies)] for k in kernels}
-    winners = {}
+    winners, shape = {}, f"{out_features}x{in_features} (x{copies})"
     for rows in SPLIT_ROWS:
         x = torch.randn(rows, in_features, device=device)
         timings = _best_of_rounds(runs, functools.partial(_pass, x=x))
         winners[rows] = min(timings, key=timings.get)
         shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
-        shape = f"{out_features}x{in_features} (x{copies})"
         log.info("int8 %s at %d rows: %s (%s a pass)", shape, rows, winners[rows], shown)
     few, many = winners[SPLIT_ROWS[0]], winners[SPLIT_ROWS[-1]]
     if few == many:
         return few, None
     return few, (SPLIT_ROWS[1] if winners[SPLIT_ROWS[1]] == few else SPLIT_ROWS[0], many)
-
-
-def _pass(runs: list, x: torch.Tensor) -> float:
-    start = time.perf_counter()
-    for run in runs:
-        run(x)
-    return time.perf_counter() - start
 
 
 def fastest_kernel(

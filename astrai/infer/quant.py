@@ -114,7 +114,7 @@ def int8_matrix(w: torch.Tensor, kernel: str, split: tuple[int, str] | None = No
     """w [out, in] in 8 bits, multiplied by `kernel`'s product (one of KERNELS); with a split
     (rows, other), by `kernel`'s for inputs of up to that many rows and by `other`'s beyond
     (each keeps its own copy of the weights)."""
-    for name in (kernel, *split[1:]) if split else (kernel,):
+    for name in (kernel,) if split is None else (kernel, split[1]):
         if name not in BUILDERS:
             raise ValueError(f"unknown int8 kernel {name!r}; one of {', '.join(KERNELS)}")
     q, scale = quantize_rows(w)
