@@ -179,10 +179,17 @@ def engine_of(b: Bench):
     return b.engine
 
 
-def _note_kernels(b: Bench, kernels: dict[str, int]) -> None:
-    if "kernels" not in b.extra:
-        b.extra["kernels"] = kernels
-        b.note(f"our matrix products: {', '.join(f'{n} {kind}' for kind, n in kernels.items())}")
+def _note_kernels(b: Bench, kernels: dict[str, int], fmt: str = "") -> None:
+    """The products an Engine chose (int8 and int4 by timing at load, so the rows say what
+    ran), once: the run's own format as results' "kernels", another `fmt` under
+    "kernels_by_format"."""
+    chosen, key = (
+        (b.extra.setdefault("kernels_by_format", {}), fmt) if fmt else (b.extra, "kernels")
+    )
+    if key not in chosen:
+        chosen[key] = kernels
+        shown = ", ".join(f"{n} {kind}" for kind, n in kernels.items())
+        b.note(f"our matrix products{', ' + fmt if fmt else ''}: {shown}")
 
 
 @contextlib.contextmanager
@@ -208,22 +215,11 @@ def sides(b: Bench, names: tuple[str, ...]) -> Iterator[dict[str, Callable]]:
             dtype_name = str(dtype).removeprefix("torch.")
             specs[name] = {**base, "side": side, "dtype": dtype_name, "quantize": quantize}
     with side_processes(specs, torch.get_num_threads()) as processes:
-        if "engine" in processes:
-            _note_kernels(b, processes["engine"].facts["kernels"])
         for name, process in processes.items():
             side, _, fmt = name.partition(" ")
-            if side == "engine" and fmt:
-                _note_format_kernels(b, fmt, process.facts["kernels"])
+            if side == "engine":
+                _note_kernels(b, process.facts["kernels"], fmt)
         yield {name: process.generate for name, process in processes.items()}
-
-
-def _note_format_kernels(b: Bench, fmt: str, kernels: dict[str, int]) -> None:
-    """Which products the Engine chose for the weights in another format (int4, int8: by
-    timing at load, so the rows say what ran)."""
-    chosen = b.extra.setdefault("kernels_by_format", {})
-    if fmt not in chosen:
-        chosen[fmt] = kernels
-        b.note(f"our matrix products, {fmt}: {', '.join(f'{n} {k}' for k, n in kernels.items())}")
 
 
 def with_formats(b: Bench, side: str) -> tuple[str, ...]:
