@@ -434,7 +434,7 @@ def test_rows_pair_ours_with_llama_cpp_at_the_same_bits():
 def test_skip_reasons_say_why_a_format_does_not_run(monkeypatch):
     from benchmark import formats
 
-    from astrai.infer import hardware
+    from astrai import hardware
     from astrai.infer import prepare as prepare_module
 
     monkeypatch.setattr(hardware, "native_bf16", lambda device: False)

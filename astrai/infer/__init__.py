@@ -2,6 +2,7 @@
 continuous batching as pure functions over an engine state (step.py) and the Engine that runs
 them on a background thread."""
 
+from astrai.hardware import native_bf16
 from astrai.infer.acceptance import Verdict, verify_greedy, verify_sampled
 from astrai.infer.adapters import (
     AdapterError,
@@ -39,7 +40,7 @@ from astrai.infer.events import (
     StreamEvent,
     Usage,
 )
-from astrai.infer.hardware import auto_dtype, native_bf16
+from astrai.infer.hardware import auto_dtype
 from astrai.infer.int4 import Int4Matrix
 from astrai.infer.lookup import LookupIndex, extend_lookup, init_lookup, propose_lookup
 from astrai.infer.packed import PackedMatrix

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from astrai.infer.hardware import cpu_flags
+from astrai.hardware import cpu_flags
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 

@@ -16,8 +16,8 @@ import functools
 
 import torch
 
+from astrai.hardware import cpu_flags
 from astrai.infer import int4
-from astrai.infer.hardware import cpu_flags
 from astrai.infer.layouts import LAYOUTS
 from astrai.infer.quant import BUILDERS, int8_matrix
 from astrai.kernels.build import why_absent

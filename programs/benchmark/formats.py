@@ -63,7 +63,7 @@ def bf16_skip_reason(device: torch.device | str) -> str | None:
     """None where bf16 products are native, else why bf16 rows do not run: emulated bf16 is
     7-100x slower than float32 (docs/inference.md), and `just bench --only train` ran more than
     20 minutes in it on an AVX2 machine."""
-    from astrai.infer.hardware import BF16_FLAGS, cpu_flags, native_bf16
+    from astrai.hardware import BF16_FLAGS, cpu_flags, native_bf16
 
     if native_bf16(device):
         return None

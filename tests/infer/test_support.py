@@ -12,8 +12,8 @@ import pytest
 import torch
 from infer_models import make_model
 
+from astrai.hardware import cpu_flags
 from astrai.infer import kernels_used, prepare, prepare_params, support
-from astrai.infer.hardware import cpu_flags
 from astrai.infer.support import prepared_matrix, products_here
 from astrai.model.layers import project
 
