@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.model.lora_product import mixed_delta
-from astrai.model.masked_attention import attend_by_products, attend_masked
+from astrai.model.masked_attention import attend_by_products, attend_causal, attend_masked
 from astrai.model.params import Params
 
 
@@ -127,10 +127,9 @@ def attend(
         return attend_by_products(q, k, v, mask, scale, softcap)
     if mask is not None:  # cached and paged inference, packed documents in training
         return attend_masked(q, k, v, mask, scale)
+    if causal:  # training, and whole prompts without a cache
+        return attend_causal(q, k, v, scale)
     groups = q.shape[1] // k.shape[1]
-    if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    # Square causal attention (training): repeating K/V keeps SDPA's fused causal kernel.
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)

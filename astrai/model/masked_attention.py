@@ -1,18 +1,27 @@
-"""Attention with an explicit mask (cached and paged inference, packed documents): torch's
-fused kernel over the query heads of each K/V head stacked as rows, or, for prompt chunks, two
-batched matrix products and a softmax, whichever measures faster here.
+"""Attention with an explicit mask (cached and paged inference, packed documents) and square
+causal attention: torch's fused kernels, or two batched matrix products and a softmax,
+whichever measures faster here.
 
 torch's fused CPU attention kernel (the flash kernel SDPA takes on a CPU) computed a bf16 paged
 prefill of 4 x 512 tokens of the small benchmark model at ~150 GFLOP/s on AMD Zen 4: 14-16 ms
 a layer, 43% of the prefill, mask or is_causal alike. The same attention as products ran the
 two products at ~900 GFLOP/s (oneDNN's bf16 kernels): 7.9 against 16.6 ms, and 2-2.5x faster
 from 256 to 4,096 query rows over 256 to 2,048 keys. In float32 the fused kernel was as fast
-or up to 2.3x faster. Which wins is measured on the running machine, once per dtype and head
-shape (`products_win`). One query row (a decode step) keeps the fused kernel: products measured
-faster in isolation at 64 rows and no faster in a decode step.
+or up to 2.3x faster. Training shows the same: forward and backward of the demo's packed
+attention (32 x 128 tokens, 4 heads sharing 2 K/V heads of 32) took 18-20 ms in bf16 through
+the fused kernel and 7-10 ms as products on AMD Zen 5, 11 against 11-17 ms in float32; the
+benchmark's small model without a mask (8 x 256 tokens, 8 heads sharing 2 of 64) 40 ms through
+the fused causal kernel and 19 ms as products in bf16, 41 against 48 ms in float32.
+Inference measures which wins on the running machine, once per dtype and head shape
+(`products_win`). Training takes the products exactly where it runs in bf16 that the CPU
+multiplies natively: a rule rather than a timing, so that a resumed run takes the path the
+first one took and resumes bit-exactly. One query row (a decode step) keeps the fused kernel:
+products measured faster in isolation at 64 rows and no faster in a decode step.
 
 The products hold the scores in the inputs' dtype, as Hugging Face's eager attention holds
-them; the softmax accumulates in float32 either way.
+them; the softmax accumulates in float32 either way. For the backward pass they keep the
+probabilities (B x heads x T x S, at most MAX_SCORES), where the fused kernel keeps one
+number per query row.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from astrai.hardware import native_bf16
 
 log = logging.getLogger("astrai.infer")
 
@@ -71,21 +82,59 @@ def attend_fused(
     return o.view(B, H, T, -1)
 
 
+def attend_fused_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float | None
+) -> torch.Tensor:
+    """Square causal attention (T == S, no mask) through torch's fused causal kernel, which
+    skips the blocks above the diagonal; K/V are repeated for every query head that shares
+    them, since the kernel's causal path wants as many K/V heads as query heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
 def attend_masked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v by the faster path here: the products for prompt chunks
-    in inference (the choice timed forward passes only) whose scores fit MAX_SCORES, the fused
-    kernel otherwise."""
-    B, H, T, D = q.shape
-    if (
-        T > 1
-        and not torch.is_grad_enabled()
-        and B * H * T * k.shape[2] <= MAX_SCORES
-        and products_win(q.dtype, q.device.type, k.shape[1], H // k.shape[1], D)
-    ):
+    """softmax(q k^T * scale + mask) v by the faster path here (module docstring): the products
+    for prompt chunks and training sequences where they pay (`_products_pay`), the fused kernel
+    otherwise."""
+    if _products_pay(q, k):
         return attend_by_products(q, k, v, mask, scale)
     return attend_fused(q, k, v, mask, scale)
+
+
+def attend_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Square causal attention without a mask (training, a whole prompt without a cache): the
+    products over a causal mask in training where they pay (`_products_pay`), the fused causal
+    kernel otherwise."""
+    if torch.is_grad_enabled() and _products_pay(q, k):
+        T = q.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
+        return attend_by_products(q, k, v, mask, scale)
+    return attend_fused_causal(q, k, v, None, scale)
+
+
+def _products_pay(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether attend_by_products is the path for these queries and keys: more than one query
+    row, scores that fit MAX_SCORES, and then in training bf16 that the CPU multiplies natively
+    (module docstring), in inference products measured faster for this head shape."""
+    B, H, T, D = q.shape
+    if T == 1 or B * H * T * k.shape[2] > MAX_SCORES:
+        return False
+    if torch.is_grad_enabled():
+        return q.dtype == torch.bfloat16 and _native_bf16(q.device.type)
+    return products_win(q.dtype, q.device.type, k.shape[1], H // k.shape[1], D)
+
+
+@torch.compiler.assume_constant_result
+def _native_bf16(device_type: str) -> bool:
+    """native_bf16, asked by compiled training steps as they are traced: a constant of the
+    graph (dynamo would otherwise trace the reading of /proc/cpuinfo)."""
+    return native_bf16(device_type) and device_type == "cpu"
 
 
 def _best_of_three(fn, *args, give_up: float = float("inf")) -> float:
