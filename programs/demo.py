@@ -197,8 +197,9 @@ def main() -> int:
     parser.add_argument(
         "--precision",
         choices=["float32", "bfloat16", "auto"],
-        default="float32",
-        help="training precision; auto = bfloat16 where the hardware multiplies it natively",
+        default="auto",
+        help="training precision; auto (the default) = bfloat16 where the hardware multiplies "
+        "it natively (docs/training.md: 2.5x faster on AVX-512 BF16), float32 elsewhere",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="the training seed (the data stays the same)"
