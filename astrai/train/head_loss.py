@@ -84,6 +84,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         hidden, weight, _, _, dtype = inputs
         ctx.mark_non_differentiable(output[1])
+        # no zero-filled [N, V] tensor for the second output's gradient, which is never used
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, output[1])
         ctx.dtype = dtype
 
