@@ -83,7 +83,7 @@ def attend_fused(
 
 
 def attend_fused_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """Square causal attention (T == S, no mask) through torch's fused causal kernel, which
     skips the blocks above the diagonal; K/V are repeated for every query head that shares
@@ -111,11 +111,12 @@ def attend_causal(
     """Square causal attention without a mask (training, a whole prompt without a cache): the
     products over a causal mask in training where they pay (`_products_pay`), the fused causal
     kernel otherwise."""
+    # without gradients, the causal kernel: inference's timing is of chunks after cached keys
     if torch.is_grad_enabled() and _products_pay(q, k):
         T = q.shape[2]
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
         return attend_by_products(q, k, v, mask, scale)
-    return attend_fused_causal(q, k, v, None, scale)
+    return attend_fused_causal(q, k, v, scale)
 
 
 def _products_pay(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -132,9 +133,10 @@ def _products_pay(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 @torch.compiler.assume_constant_result
 def _native_bf16(device_type: str) -> bool:
-    """native_bf16, asked by compiled training steps as they are traced: a constant of the
-    graph (dynamo would otherwise trace the reading of /proc/cpuinfo)."""
-    return native_bf16(device_type) and device_type == "cpu"
+    """native_bf16 on a CPU (a GPU keeps its fused kernels), asked by compiled training steps
+    as they are traced: a constant of the graph (dynamo would otherwise trace the reading of
+    /proc/cpuinfo)."""
+    return device_type == "cpu" and native_bf16(device_type)
 
 
 def _best_of_three(fn, *args, give_up: float = float("inf")) -> float:

@@ -64,7 +64,7 @@ def test_training_paths_agree_in_values_and_gradients(heads, groups):
         (_output_and_gradients(attend_by_products, q, k, v, mask, None),
          _output_and_gradients(attend_fused, q, k, v, mask, None)),
         (_output_and_gradients(attend_by_products, q, k, v, causal[None, None], None),
-         _output_and_gradients(attend_fused_causal, q, k, v, None, None)),
+         _output_and_gradients(attend_fused_causal, q, k, v, None)),
     ]:  # fmt: skip
         for a, b in zip(products, fused, strict=True):
             assert_close(a, b, 4 * 12)
@@ -86,9 +86,7 @@ def test_training_takes_the_products_exactly_in_native_bf16(native, monkeypatch)
             assert torch.equal(causal_path, attend_by_products(q, k, v, causal, None))
             assert torch.equal(masked_path, attend_by_products(q, k, v, causal, None))
         else:
-            assert torch.equal(causal_path, attend_fused_causal(q, k, v, None, None))
+            assert torch.equal(causal_path, attend_fused_causal(q, k, v, None))
             assert torch.equal(masked_path, attend_fused(q, k, v, causal, None))
         with torch.no_grad():  # a whole prompt without gradients keeps the causal kernel
-            assert torch.equal(
-                attend_causal(q, k, v, None), attend_fused_causal(q, k, v, None, None)
-            )
+            assert torch.equal(attend_causal(q, k, v, None), attend_fused_causal(q, k, v, None))
