@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from astrai.config import ModelConfig
 from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
 from astrai.model.layers import Params, gated_mlp, norm, project
+from astrai.model.masked_attention import causal_mask
 from astrai.model.moe import moe
 from astrai.model.params import BLOCK_NORMS
 from astrai.model.rope import rope_tables
@@ -46,7 +47,7 @@ def document_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:
     mask = doc_ids[:, :, None] == doc_ids[:, None, :]
     if causal:
         T = doc_ids.shape[1]
-        mask = mask & torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        mask = mask & causal_mask(T, T, doc_ids.device)
     return mask[:, None]
 
 
@@ -298,7 +299,7 @@ def encode(
     attn = mask[:, None, None, :]
     if cfg.model_type == "decoder":
         T = tokens.shape[1]
-        attn = attn & torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        attn = attn & causal_mask(T, T, tokens.device)
     # A padded query row that sees nothing would give NaN; let it see itself.
     attn = attn | torch.eye(tokens.shape[1], dtype=torch.bool, device=tokens.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from astrai.model.lora_product import mixed_delta
-from astrai.model.masked_attention import attend_by_products, attend_causal, attend_masked
+from astrai.model.masked_attention import (
+    attend_by_products,
+    attend_causal,
+    attend_masked,
+    causal_mask,
+)
 from astrai.model.params import Params
 
 
@@ -122,8 +127,8 @@ def attend(
     if softcap is not None:  # the fused kernels cannot cap the scores: they are made here
         if mask is None:
             T, S = q.shape[2], k.shape[2]
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
-            mask = (mask.tril(S - T) if causal else mask)[None, None]
+            mask = causal_mask(T, S, q.device) if causal else q.new_ones(T, S, dtype=torch.bool)
+            mask = mask[None, None]
         return attend_by_products(q, k, v, mask, scale, softcap)
     if mask is not None:  # cached and paged inference, packed documents in training
         return attend_masked(q, k, v, mask, scale)

@@ -41,6 +41,13 @@ log = logging.getLogger("astrai.infer")
 MAX_SCORES = 1 << 25  # scores held at once (64 MiB in bf16); more go to the fused kernel
 
 
+def causal_mask(queries: int, keys: int, device=None) -> torch.Tensor:
+    """bool [queries, keys], True = may attend: the queries are the last `queries` of the
+    `keys` positions, each seeing itself and every key before it."""
+    ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    return ones.tril(keys - queries)
+
+
 def attend_by_products(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,8 +120,7 @@ def attend_causal(
     kernel otherwise."""
     # without gradients, the causal kernel: inference's timing is of chunks after cached keys
     if torch.is_grad_enabled() and _products_pay(q, k):
-        T = q.shape[2]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)[None, None]
         return attend_by_products(q, k, v, mask, scale)
     return attend_fused_causal(q, k, v, scale)
 
@@ -170,7 +176,7 @@ def products_win(
     g = torch.Generator().manual_seed(0)  # the global generator's stream stays the caller's
     q = torch.randn(1, heads * groups, T, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(1, heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
-    mask = (torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None])[None, None]
+    mask = causal_mask(T, S)[None, None]
     fused = _best_of_three(attend_fused, q, k, v, mask, None)
     products = _best_of_three(attend_by_products, q, k, v, mask, None, give_up=4 * fused)
     log.info(
