@@ -14,6 +14,7 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.infer.pages import Pool, page_size_of, passed_on
+from astrai.kernels.paged_attention import PagedMask, runs_here
 from astrai.model import Params, decode_layers, embed, lm_head
 from astrai.model.forward import window_mask
 from astrai.model.layers import cast
@@ -31,21 +32,14 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     if used > width:
         raise ValueError(f"position {int(positions.max())} is past the page table ({width} pages)")
     table = page_table[:, :used].to(device=device, dtype=torch.long)
-    B, flat_table = table.shape[0], table.flatten()
     slots = table.gather(1, positions // ps) * ps + positions % ps
-    if valid is not None:
-        slots = slots[valid]
-    else:
-        slots = slots.flatten()
+    slots = slots[valid] if valid is not None else slots.flatten()
     x = embed(params, cfg, tokens)
-    key_pos = torch.arange(used * ps, device=device)
-    visible = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
-    mask = _additive(visible, x.dtype)
-    sliding = None
-    if cfg.has_sliding_layers:  # the pages hold every position; the mask hides the old ones
-        sliding = _additive(
-            window_mask(visible, positions[:, None], key_pos, cfg.sliding_window), x.dtype
-        )
+    in_place = _reads_pages_in_place(cfg, pool, tokens)
+    if in_place:
+        mask, sliding = _paged_masks(cfg, table, positions)
+    else:
+        mask, sliding = _dense_masks(cfg, positions, used * ps, x.dtype)
 
     def store(layer, k_new, v_new):
         k_layer, v_layer = pool["k"][layer], pool["v"][layer]
@@ -57,13 +51,47 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
         v_layer.view(num_slots, *v_layer.shape[2:]).index_copy_(
             0, slots, cast(v_rows, v_layer.dtype)
         )
+        if in_place:  # [pages, page_size, Hkv, D]: token-major, as the gathered keys would be
+            return k_layer, v_layer
         # index_select with a flat index costs half what indexing with the [B, used] table does
+        B, flat_table = table.shape[0], table.flatten()
         k_all = k_layer.index_select(0, flat_table).view(B, used * ps, *k_layer.shape[2:])
         v_all = v_layer.index_select(0, flat_table).view(B, used * ps, *v_layer.shape[2:])
         return cast(k_all, k_new.dtype), cast(v_all, v_new.dtype)
 
     hidden, _ = decode_layers(params, cfg, x, positions, mask, store, lora, sliding=sliding)
     return hidden
+
+
+def _reads_pages_in_place(cfg: ModelConfig, pool: Pool, tokens: torch.Tensor) -> bool:
+    """Whether attention reads the pool's pages where they lie (our C kernel, PagedMask):
+    decoding one token a sequence, GQA without capped scores, on a CPU where the kernel runs."""
+    return (
+        tokens.shape[1] == 1
+        and cfg.attn_type == "gqa"
+        and cfg.attn_logit_softcapping is None
+        and runs_here(pool["k"].dtype, cfg.dim_per_head, pool["k"].device)
+    )
+
+
+def _paged_masks(cfg: ModelConfig, table: torch.Tensor, positions: torch.Tensor):
+    """(mask, sliding-window mask or None) for attention over the pages in place."""
+    keys = positions[:, 0] + 1
+    sliding = PagedMask(table, keys, cfg.sliding_window) if cfg.has_sliding_layers else None
+    return PagedMask(table, keys), sliding
+
+
+def _dense_masks(cfg: ModelConfig, positions: torch.Tensor, keys: int, dtype: torch.dtype):
+    """(mask, sliding-window mask or None), additive [B, 1, T, keys], for attention over the
+    pages gathered into one sequence of keys per row."""
+    key_pos = torch.arange(keys, device=positions.device)
+    visible = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+    sliding = None
+    if cfg.has_sliding_layers:  # the pages hold every position; the mask hides the old ones
+        sliding = _additive(
+            window_mask(visible, positions[:, None], key_pos, cfg.sliding_window), dtype
+        )
+    return _additive(visible, dtype), sliding
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,7 @@ afresh and every later process loads it in milliseconds. It links the libgomp to
 ships (torch/lib), so its parallel regions run on the OpenMP thread pool torch already uses: a
 second pool would leave threads spinning against torch's own.
 
-Where there is no compiler, the build fails, or the CPU lacks AVX2, `gemv_library()` is None
+Where there is no compiler, the build fails, or the CPU lacks AVX2, `kernel_library()` is None
 and `why_absent()` says why (logged once): the products of torch then run instead.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 log = logging.getLogger("astrai.infer")
 
-SOURCE = Path(__file__).with_name("gemv.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "attention.c"))
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 ISA_NAMES = {1: "avx2", 2: "avx512_vnni"}
 
@@ -58,8 +58,9 @@ def _link_flags() -> list[str]:
 
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    sources = b"".join(source.read_bytes() for source in SOURCES)
     key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + " ".join(FLAGS + tuple(_link_flags())).encode()
+        sources + version.encode() + " ".join(FLAGS + tuple(_link_flags())).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"gemv-{key}.so"
 
@@ -70,7 +71,7 @@ def _compile(cc: str, target: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         scratch = Path(tmp.name)
     try:
-        command = [cc, *FLAGS, str(SOURCE), "-o", str(scratch), *_link_flags()]
+        command = [cc, *FLAGS, *map(str, SOURCES), "-o", str(scratch), *_link_flags(), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -80,13 +81,15 @@ def _compile(cc: str, target: Path) -> None:
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i = ctypes.c_void_p, ctypes.c_int
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.astrai_gemv_isa.restype = i
     lib.astrai_gemv_isa.argtypes = []
     lib.astrai_int4_gemv.restype = i
     lib.astrai_int4_gemv.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
     lib.astrai_int8_gemv.restype = i
     lib.astrai_int8_gemv.argtypes = [p, i, i, p, p, i, p, i, i]
+    lib.astrai_paged_attention.restype = i
+    lib.astrai_paged_attention.argtypes = [p, i64, p, p, i, i, p, i, p, i, i, i, i, i, i, f, p, i]
     return lib
 
 
@@ -107,7 +110,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def gemv_library() -> ctypes.CDLL | None:
+def kernel_library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (why_absent() says why; logged once)."""
     lib, reason = _load()
     if lib is None:
@@ -117,7 +120,7 @@ def gemv_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _log_absent(reason: str) -> None:
-    log.info("our C GEMV kernels are absent (%s): torch's products run instead", reason)
+    log.info("our C kernels are absent (%s): torch's products and attention run instead", reason)
 
 
 def why_absent() -> str | None:
@@ -127,5 +130,5 @@ def why_absent() -> str | None:
 
 def isa() -> str | None:
     """The instruction set the kernels use here ("avx512_vnni" or "avx2"), None without them."""
-    lib = gemv_library()
+    lib = kernel_library()
     return ISA_NAMES[lib.astrai_gemv_isa()] if lib is not None else None

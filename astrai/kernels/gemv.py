@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from astrai.kernels.build import gemv_library, why_absent
+from astrai.kernels.build import kernel_library, why_absent
 
 BLOCK = 32  # inputs an activation step covers
 PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
@@ -62,7 +62,7 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def _library():
-    lib = gemv_library()
+    lib = kernel_library()
     if lib is None:
         raise RuntimeError(f"our C GEMV kernels are absent: {why_absent()}")
     return lib

@@ -7,6 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from astrai.kernels.paged_attention import PagedMask, paged_attention
 from astrai.model.lora_product import mixed_delta
 from astrai.model.masked_attention import (
     attend_by_products,
@@ -123,7 +124,10 @@ def attend(
 ) -> torch.Tensor:
     """Scaled dot-product attention. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask bool [B, 1, T, S]
     (True = may attend; or additive, 0 and -inf in q's dtype) or None for plain causal / full
-    attention over T == S. softcap: scores s become softcap * tanh(s / softcap)."""
+    attention over T == S. softcap: scores s become softcap * tanh(s / softcap). With a
+    PagedMask, k and v are a layer of the page pool read in place (decoding, T == 1)."""
+    if isinstance(mask, PagedMask):
+        return paged_attention(q, k, v, mask, scale)
     if softcap is not None:  # the fused kernels cannot cap the scores: they are made here
         if mask is None:
             T, S = q.shape[2], k.shape[2]

@@ -20,12 +20,12 @@ ISA = {1: "avx2", 2: "avx512_vnni"}
 def paths_here() -> list[int]:
     """The instruction-set paths this CPU runs: AVX2 wherever the kernels run, and AVX-512 VNNI
     where the CPU has it."""
-    lib = build.gemv_library()
+    lib = build.kernel_library()
     return [] if lib is None else list(range(1, lib.astrai_gemv_isa() + 1))
 
 
 def path(isa: int) -> int:
-    if build.gemv_library() is None:
+    if build.kernel_library() is None:
         pytest.skip(f"our C kernels are absent: {build.why_absent()}")
     if isa not in paths_here():
         pytest.skip(f"the CPU has no {ISA[isa]}")

@@ -1,0 +1,204 @@
+/* Decode attention over the page pool: one new query row per sequence attends over that
+ * sequence's keys where they lie in their pages, so nothing is gathered into a contiguous copy
+ * first (a copy of every sequence's keys and values, each layer of each step).
+ *
+ * Layouts (all contiguous unless a stride is given):
+ *   q     float32, query head h of row b at q + b * q_stride + h * dim
+ *   k, v  one layer of the pool, [pages * page_size][kv_heads][dim], float32 or bfloat16 bits
+ *   table int64 [rows][width]: the pages of each row in order
+ *   keys  int64 [rows]: how many keys row b sees (its position + 1)
+ *   out   float32 [rows][heads][dim]
+ * Query heads h = g * groups + j share K/V head g (grouped-query attention). With window > 0 a
+ * row sees only its last `window` keys. Work is split over (row, K/V head) pairs on the OpenMP
+ * threads of the libgomp torch loads. Scores and sums are float32, softmax by its maximum. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* 8 floats of a K or V row, widened from bfloat16 bits where the pool holds those. */
+AVX2 INLINE __m256 load8(const void *pool, int bf16, size_t i) {
+    if (!bf16)
+        return _mm256_loadu_ps((const float *)pool + i);
+    __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+/* lane i = the sum of the lanes of a[i] */
+AVX2 INLINE __m256 sums8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                         _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* e^x for x <= 0 (Cephes' single-precision polynomial: relative error ~1e-7) */
+AVX2 INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, x), x, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+typedef struct {
+    const void *k, *v;
+    int bf16, pages, kv_heads, dim, page_size;
+    float scale;
+} Pool;
+
+/* Where keys first..first+n-1 of K/V head g start in the layer's pool, for a row with these
+ * pages: worked out once, as both passes over the keys read them for every query head. */
+static int locate(const Pool *pool, const int64_t *pages, int first, int n, int g, size_t *at) {
+    for (int i = 0; i < n; i++) {
+        int t = first + i;
+        int64_t page = pages[t / pool->page_size];
+        if (page < 0 || page >= pool->pages)
+            return 0;
+        size_t slot = (size_t)page * pool->page_size + t % pool->page_size;
+        at[i] = (slot * pool->kv_heads + g) * pool->dim;
+    }
+    return 1;
+}
+
+/* scores[j][i] = q_j . k_(first + i) * scale for the `groups` query heads of K/V head g, eight
+ * keys at a time (a short last block repeats its first key and keeps only the real scores). */
+AVX2 static void score(const Pool *pool, const float *q, const size_t *at, int n, int groups,
+                       int stride, float *scores) {
+    for (int i = 0; i < n; i += 8) {
+        size_t key[8];
+        int count = n - i < 8 ? n - i : 8;
+        for (int r = 0; r < 8; r++)
+            key[r] = at[i + (r < count ? r : 0)];
+        for (int j = 0; j < groups; j++) {
+            const float *qj = q + (size_t)j * pool->dim;
+            __m256 acc[8];
+            for (int r = 0; r < 8; r++)
+                acc[r] = _mm256_setzero_ps();
+            for (int d = 0; d < pool->dim; d += 8) {
+                __m256 qd = _mm256_loadu_ps(qj + d);
+                for (int r = 0; r < 8; r++)
+                    acc[r] = _mm256_fmadd_ps(qd, load8(pool->k, pool->bf16, key[r] + d), acc[r]);
+            }
+            float block[8];
+            _mm256_storeu_ps(block, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(pool->scale)));
+            for (int r = 0; r < count; r++)
+                scores[(size_t)j * stride + i + r] = block[r];
+        }
+    }
+}
+
+/* Each head's scores in place -> softmax weights (padded with zeros to a multiple of 8). */
+AVX2 static void softmax(float *scores, int n, int groups, int stride) {
+    for (int j = 0; j < groups; j++) {
+        float *s = scores + (size_t)j * stride, top = -INFINITY, sum = 0.0f;
+        for (int i = 0; i < n; i++)
+            top = s[i] > top ? s[i] : top;
+        for (int i = n; i < stride; i++)
+            s[i] = -INFINITY;
+        __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+        for (int i = 0; i < stride; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
+            e = _mm256_blendv_ps(e, _mm256_setzero_ps(),
+                                 _mm256_cmp_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(-INFINITY),
+                                               _CMP_EQ_OQ));
+            _mm256_storeu_ps(s + i, e);
+            total = _mm256_add_ps(total, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, total);
+        for (int l = 0; l < 8; l++)
+            sum += lanes[l];
+        __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (int i = 0; i < stride; i += 8)
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+    }
+}
+
+/* out_j = sum_i weights[j][i] v_(first + i), eight keys at a time: their values are read from
+ * memory once and then from the first-level cache for every query head. The weights past n are
+ * zero (softmax pads them), so a short last block repeats a key to no effect. */
+AVX2 static void weigh(const Pool *pool, const float *weights, const size_t *at, int n,
+                       int groups, int stride, float *out) {
+    for (int j = 0; j < groups * pool->dim; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_setzero_ps());
+    for (int i = 0; i < n; i += 8) {
+        size_t value[8];
+        for (int r = 0; r < 8; r++)
+            value[r] = at[i + r < n ? i + r : i];
+        for (int j = 0; j < groups; j++) {
+            const float *w = weights + (size_t)j * stride + i;
+            float *o = out + (size_t)j * pool->dim;
+            for (int d = 0; d < pool->dim; d += 8) {
+                __m256 acc = _mm256_loadu_ps(o + d);
+                for (int r = 0; r < 8; r++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(w[r]),
+                                          load8(pool->v, pool->bf16, value[r] + d), acc);
+                _mm256_storeu_ps(o + d, acc);
+            }
+        }
+    }
+}
+
+/* 0, or 1: a shape is out of range (dim must be a multiple of 8), 2: a row sees no key or more
+ * than its pages hold, 3: out of memory, 4: the table names a page the pool lacks. */
+int astrai_paged_attention(const float *q, int64_t q_stride, const void *k, const void *v,
+                           int bf16, int pages, const int64_t *table, int width, const int64_t *keys,
+                           int window, int rows, int heads, int kv_heads, int dim, int page_size,
+                           float scale, float *out, int threads) {
+    if (rows < 1 || kv_heads < 1 || heads % kv_heads || dim < 8 || dim % 8 || page_size < 1 ||
+        width < 1 || pages < 1)
+        return 1;
+    int groups = heads / kv_heads, longest = 0;
+    for (int b = 0; b < rows; b++) {
+        if (keys[b] < 1 || keys[b] > (int64_t)width * page_size)
+            return 2;
+        longest = keys[b] > longest ? (int)keys[b] : longest;
+    }
+    Pool pool = {k, v, bf16, pages, kv_heads, dim, page_size, scale};
+    int stride = (longest + 7) / 8 * 8, failed = 0, tasks = rows * kv_heads;
+#pragma omp parallel num_threads(threads < tasks ? threads : tasks)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)groups * stride);
+        size_t *at = malloc(sizeof(size_t) * stride);
+        if (!scores || !at) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < tasks; task++) {
+            if (!scores || !at)
+                continue;
+            int b = task / kv_heads, g = task % kv_heads, last = (int)keys[b];
+            int first = window > 0 && last > window ? last - window : 0, n = last - first;
+            int width8 = (n + 7) / 8 * 8;
+            size_t head = (size_t)g * groups * dim;
+            if (!locate(&pool, table + (size_t)b * width, first, n, g, at)) {
+#pragma omp atomic write
+                failed = 4;
+                continue;
+            }
+            score(&pool, q + b * q_stride + head, at, n, groups, width8, scores);
+            softmax(scores, n, groups, width8);
+            weigh(&pool, scores, at, n, groups, width8, out + (size_t)b * heads * dim + head);
+        }
+        free(scores);
+        free(at);
+    }
+    return failed;
+}
