@@ -2,9 +2,10 @@
 
 A decode step that gathers each sequence's pages into one contiguous K and V per layer for
 torch's fused kernel copies every sequence's keys and values, each layer of each step. Reading
-them in place, a batch-16 int8 step of a 0.5B-shaped model took 47 ms instead of 52 (context
-160; 64 instead of 70 at 600) on a 2-core AMD EPYC; at batch 1 the two are level there, the
-step's weights evicting the keys from the caches either way.
+them in place made a decode step of a 0.5B-shaped model 1.03-1.10x faster on a 2-core AMD EPYC
+(programs/benchmark/paged_attention.py: int8 weights at batch 16, context 160 or 600, and at
+batch 1), bfloat16 at batch 1 level (0.98x): there the step's weights, streamed between the
+layers, evict the keys from the caches whichever way they are read.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ def paged_attention(
     pages, kv_heads, page_size, _ = k.shape
     if T != 1:
         raise ValueError(f"paged attention takes one query row per sequence, not {T}")
-    stored = k.transpose(1, 2)
-    if not (stored.is_contiguous() and v.transpose(1, 2).is_contiguous()):
+    if not (k.transpose(1, 2).is_contiguous() and v.transpose(1, 2).is_contiguous()):
         raise ValueError("k and v must be views of the pool's [pages, page_size, Hkv, D] buffers")
     if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the pool must be float32 or bfloat16, not {k.dtype} / {v.dtype}")

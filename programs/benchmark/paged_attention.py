@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import torch
 import astrai
 import astrai.infer.paged as paged
 from astrai.infer import alloc_pages, decode_step, init_pages, prefill, prepare_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # programs/, for the benchmark package
 from benchmark.models import model_folder
 
 PAGE_SIZE = 16
