@@ -75,8 +75,10 @@ def _reads_pages_in_place(cfg: ModelConfig, pool: Pool, tokens: torch.Tensor) ->
 
 
 def _paged_masks(cfg: ModelConfig, table: torch.Tensor, positions: torch.Tensor):
-    """(mask, sliding-window mask or None) for attention over the pages in place."""
-    keys = positions[:, 0] + 1
+    """(mask, sliding-window mask or None) for attention over the pages in place. The table
+    is made contiguous here, once a step, not by the kernel's wrapper in every layer (a slice
+    of a wider page table is not)."""
+    table, keys = table.contiguous(), positions[:, 0] + 1
     sliding = PagedMask(table, keys, cfg.sliding_window) if cfg.has_sliding_layers else None
     return PagedMask(table, keys), sliding
 
