@@ -16,7 +16,8 @@ Inference measures which wins on the running machine, once per dtype and head sh
 (`products_win`). Training takes the products exactly where it runs in bf16 that the CPU
 multiplies natively: a rule rather than a timing, so that a resumed run takes the path the
 first one took and resumes bit-exactly. One query row (a decode step) keeps the fused kernel:
-products measured faster in isolation at 64 rows and no faster in a decode step.
+products measured faster in isolation at 64 rows and no faster in a decode step (a paged
+decode step on a CPU skips this module: astrai/kernels/paged_attention.py).
 
 The products hold the scores in the inputs' dtype, as Hugging Face's eager attention holds
 them; the softmax accumulates in float32 either way. For the backward pass they keep the
