@@ -17,16 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
-
-/* 8 floats of a K or V row, widened from bfloat16 bits where the pool holds those. */
-AVX2 INLINE __m256 load8(const void *pool, int bf16, size_t i) {
-    if (!bf16)
-        return _mm256_loadu_ps((const float *)pool + i);
-    __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
+#include "vector_math.h"
 
 /* lane i = the sum of the lanes of a[i] */
 AVX2 INLINE __m256 sums8(const __m256 a[8]) {
@@ -36,24 +27,6 @@ AVX2 INLINE __m256 sums8(const __m256 a[8]) {
     t1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
                          _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-/* e^x for x <= 0 (Cephes' single-precision polynomial: relative error ~1e-7) */
-AVX2 INLINE __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, x), x, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 typedef struct {

@@ -27,7 +27,11 @@ import torch
 
 log = logging.getLogger("astrai.infer")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("gemv.c", "float_gemv.c", "attention.c", "pointwise.c")
+)
+HEADERS = (Path(__file__).with_name("vector_math.h"),)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 ISA_NAMES = {1: "avx2", 2: "avx512_vnni"}
 
@@ -58,7 +62,7 @@ def _link_flags() -> list[str]:
 
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(
         sources + version.encode() + " ".join(FLAGS + tuple(_link_flags())).encode()
     ).hexdigest()[:16]
@@ -88,8 +92,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_int4_gemv.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
     lib.astrai_int8_gemv.restype = i
     lib.astrai_int8_gemv.argtypes = [p, i, i, p, p, i, p, i, i]
+    lib.astrai_float_gemv.restype = i
+    lib.astrai_float_gemv.argtypes = [p, i, i, p, i, i, p, i, i]
     lib.astrai_paged_attention.restype = i
     lib.astrai_paged_attention.argtypes = [p, i64, p, p, i, i, p, i, p, i, i, i, i, i, i, f, p, i]
+    lib.astrai_rms_norm.restype = i
+    lib.astrai_rms_norm.argtypes = [p, p, i64, i, i, p, i, f, p, p, i]
+    lib.astrai_gated_activation.restype = i
+    lib.astrai_gated_activation.argtypes = [p, p, i64, i, i, i, i, p, i]
     return lib
 
 

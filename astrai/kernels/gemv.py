@@ -103,6 +103,18 @@ def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
     return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,))
 
 
+def float_product(weight: torch.Tensor):
+    """run(x, threads=None, isa=0): x [..., in] @ W.T in float32 for W = weight, float32 or
+    bfloat16 [out, in] as torch holds it (float_gemv.c: in a multiple of 16)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+        raise ValueError(
+            f"the float kernel takes contiguous float32 or bfloat16, not {weight.dtype}"
+        )
+    kernel = _library().astrai_float_gemv
+    shape = tuple(weight.shape)
+    return _call(kernel, "float", shape, (weight,), (int(weight.dtype == torch.bfloat16),))
+
+
 def int8_product(weight, row_scale, shape: tuple[int, int]):
     """run(x, threads=None, isa=0): x [..., in] @ W.T in float32, W = q * row_scale[:, None]
     of `shape` [out, in] (weight: pack_int8(q))."""

@@ -1,6 +1,8 @@
 """Our C products (astrai/kernels): each instruction-set path against the float32 product of the
 same dequantized weights, within the error the activations' int8 rounding allows; rows 1 to 5,
-one and two threads, widths the layout pads; shapes refused by name; the reason when absent."""
+one and two threads, widths the layout pads; the float32 and bfloat16 product in float64 within
+float32's rounding, at every row count it takes; shapes refused by name; the reason when
+absent."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from numerics import int8_block_half_steps
 
 from astrai.infer import support
+from astrai.infer.float_gemv import KERNEL_ROWS, GemvMatrix
 from astrai.infer.int4 import dequantize, quantize_groups
 from astrai.infer.quant import quantize_rows
 from astrai.kernels import build, gemv
@@ -105,6 +108,36 @@ def test_rows_threads_and_paths_do_not_change_a_row(case):
         assert torch.equal(run(x, threads=2, isa=isa), alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", list(ISA))
+@pytest.mark.parametrize("shape", [(13, 96), (4, 16), (37, 256), (1, 48)])
+def test_the_float_product_sums_in_float32_at_any_row_count(dtype, isa, shape):
+    path(isa)
+    g = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=g).to(dtype)
+    run = gemv.float_product(w)
+    exact = w.double()
+    for rows in (1, 2, 3, 4, 5, 9, 16):
+        x = torch.randn(rows, shape[1], generator=g)
+        for threads in (1, 2):
+            y = run(x, threads=threads, isa=isa)
+            assert y.shape == (rows, shape[0]) and y.dtype == torch.float32
+            # float32 products and sums of `in` terms: at most `in` roundings of their magnitude
+            limit = shape[1] * FLOAT32_EPS * (x.double().abs() @ exact.abs().T)
+            assert bool(((y.double() - x.double() @ exact.T).abs() <= limit).all()), rows
+        assert torch.equal(run(x, threads=1, isa=isa)[:1], run(x[:1], threads=2, isa=isa))
+
+
+def test_the_float_product_refuses_what_it_cannot_take():
+    path(1)
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
+        gemv.float_product(torch.randn(4, 32).double())
+    with pytest.raises(RuntimeError, match="a shape it does not take"):
+        gemv.float_product(torch.randn(4, 24))(torch.randn(1, 24))  # not a multiple of 16
+    with pytest.raises(ValueError, match="x has 16 features, the float matrix takes 32"):
+        gemv.float_product(torch.randn(4, 32))(torch.randn(1, 16))
+
+
 def test_a_scale_off_by_ten_percent_is_outside_the_bound():
     # the bound is tight enough to catch a wrongly scaled product (positive values: no cancel)
     path(1)
@@ -142,3 +175,17 @@ def test_without_a_compiler_the_kernels_are_absent_and_refused_with_the_reason(m
 
 def products_reason(dtype) -> str | None:
     return support.products_here(dtype, (16, 64))["gemv"]
+
+
+def test_a_gemv_matrix_hands_prompts_and_gradients_to_torch():
+    path(1)
+    w, calls = torch.randn(8, 32), []
+    kernel = gemv.float_product(w)
+    matrix = GemvMatrix(w, lambda x: calls.append(len(x)) or kernel(x))
+    for rows in (1, KERNEL_ROWS, KERNEL_ROWS + 1):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(matrix.linear(x), x @ w.T)
+    assert calls == [1, KERNEL_ROWS]  # a longer input went to torch's product
+    x = torch.randn(2, 32, requires_grad=True)
+    matrix.linear(x).sum().backward()  # the kernel has no gradient: torch's product ran
+    assert calls == [1, KERNEL_ROWS] and x.grad is not None

@@ -1,0 +1,91 @@
+/* The element-wise steps between a decode step's matrix products, one call each: RMSNorm (with
+ * the residual add before it) and the gated activation of the MLP. torch runs each as four to
+ * eight small ops (RMSNorm alone ~14 us on 896 values, more once the weights streamed between
+ * layers have pushed its code and buffers out of the caches); here each is one pass.
+ *
+ * Activations are float32 or bfloat16 bits (`bf16`), rows `stride` elements apart, the widths
+ * a multiple of 8; outputs are contiguous. bfloat16 rounds where torch's bfloat16 ops round:
+ * after the residual add, after normalising (before the weight multiplies, as Llama does),
+ * after the activation and after the product with `up`. Each call runs on the calling thread
+ * unless its work is large (a prompt chunk), then on the OpenMP threads of torch's libgomp. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "vector_math.h"
+
+#define GRAIN 32768 /* values below which a call is not worth waking the other threads */
+
+/* One row of astrai_rms_norm; x and residual at element `in`, sum and out at `at`. */
+AVX2 static void norm_row(const void *x, const void *residual, size_t in, size_t at, int dim,
+                          const void *weight, int bf16, float eps, void *sum, void *out) {
+    if (residual) { /* the sum is stored rounded, and normalised as stored */
+        for (int i = 0; i < dim; i += 8)
+            store8(sum, bf16, at + i,
+                   _mm256_add_ps(load8(x, bf16, in + i), load8(residual, bf16, in + i)));
+        x = sum, in = at;
+    }
+    __m256 squares = _mm256_setzero_ps();
+    for (int i = 0; i < dim; i += 8) {
+        __m256 v = load8(x, bf16, in + i);
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    __m256 scale = _mm256_set1_ps(1.0f / sqrtf(sum8(squares) / (float)dim + eps));
+    for (int i = 0; i < dim; i += 8) {
+        __m256 v = _mm256_mul_ps(load8(x, bf16, in + i), scale);
+        v = bf16 ? round_bf16(v) : v; /* rounded before the weight multiplies */
+        store8(out, bf16, at + i, _mm256_mul_ps(v, load8(weight, bf16, i)));
+    }
+}
+
+/* sum = x + residual (when residual is given), out = RMSNorm(sum or x) * weight.
+ * 0, or 1: a width that is not a multiple of 8. */
+int astrai_rms_norm(const void *x, const void *residual, int64_t stride, int rows, int dim,
+                    const void *weight, int bf16, float eps, void *sum, void *out, int threads) {
+    if (dim < 8 || dim % 8)
+        return 1;
+#pragma omp parallel for num_threads(threads) if ((int64_t)rows * dim >= GRAIN)
+    for (int r = 0; r < rows; r++)
+        norm_row(x, residual, (size_t)r * stride, (size_t)r * dim, dim, weight, bf16, eps, sum,
+                 out);
+    return 0;
+}
+
+/* sigmoid(g) for any g: e^-|g| never overflows */
+AVX2 INLINE __m256 sigmoid8(__m256 g) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+    __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), negative);
+}
+
+/* gelu with tanh's approximation: g * sigmoid(2 * sqrt(2 / pi) * (g + 0.044715 g^3)), which
+ * is 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) */
+AVX2 INLINE __m256 gelu8(__m256 g) {
+    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    __m256 z = _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, g);
+    return _mm256_mul_ps(g, sigmoid8(_mm256_mul_ps(z, _mm256_set1_ps(1.5957691216f))));
+}
+
+/* One row of astrai_gated_activation; gate and up at element `in`, out at `at`. */
+AVX2 static void gate_row(const void *gate, const void *up, size_t in, size_t at, int n, int bf16,
+                          int act, void *out) {
+    for (int i = 0; i < n; i += 8) {
+        __m256 g = load8(gate, bf16, in + i);
+        __m256 a = act ? gelu8(g) : _mm256_mul_ps(g, sigmoid8(g));
+        a = bf16 ? round_bf16(a) : a; /* rounded before the product */
+        store8(out, bf16, at + i, _mm256_mul_ps(a, load8(up, bf16, in + i)));
+    }
+}
+
+/* out = act(gate) * up, act 0: silu, 1: gelu (tanh). 0, or 1: a width not a multiple of 8 or
+ * an activation it lacks. */
+int astrai_gated_activation(const void *gate, const void *up, int64_t stride, int rows, int n,
+                            int bf16, int act, void *out, int threads) {
+    if (n < 8 || n % 8 || act < 0 || act > 1)
+        return 1;
+#pragma omp parallel for num_threads(threads) if ((int64_t)rows * n >= GRAIN)
+    for (int r = 0; r < rows; r++)
+        gate_row(gate, up, (size_t)r * stride, (size_t)r * n, n, bf16, act, out);
+    return 0;
+}
