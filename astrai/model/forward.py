@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.model.attention import KVStore, attention_layer, identity_store, kv_shapes
-from astrai.model.layers import Params, gated_mlp, norm, project
+from astrai.model.layers import Params, add_norm, gated_mlp, norm, project
 from astrai.model.masked_attention import causal_mask
 from astrai.model.moe import moe
 from astrai.model.params import BLOCK_NORMS
@@ -124,8 +124,11 @@ def _layer(params, cfg, i, x, rope, kv_store, mask, causal, lora):
     attn_in, attn_out, mlp_in, mlp_out = BLOCK_NORMS[cfg.norm_placement]
     h = x if attn_in is None else norm(params, cfg, f"{p}.{attn_in}.weight", x)
     h = attention_layer(params, cfg, i, h, rope, kv_store, mask, causal, lora)
-    x = x + _block_output(params, cfg, p, attn_out, h)
-    h = x if mlp_in is None else norm(params, cfg, f"{p}.{mlp_in}.weight", x)
+    y = _block_output(params, cfg, p, attn_out, h)
+    if mlp_in is None:
+        x = h = x + y
+    else:
+        x, h = add_norm(params, cfg, f"{p}.{mlp_in}.weight", x, y)
     if cfg.is_moe_layer(i):
         y, aux = moe(params, cfg, f"{p}.mlp", h, lora)
     else:

@@ -7,6 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from astrai.kernels import pointwise
 from astrai.kernels.paged_attention import PagedMask, paged_attention
 from astrai.model.lora_product import mixed_delta
 from astrai.model.masked_attention import (
@@ -27,6 +28,8 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> torch.Tensor:
+    if not unit_offset and (y := pointwise.rms_norm(x, weight, eps)) is not None:
+        return y  # inference on the CPU: one C call
     if unit_offset:  # Gemma: scale by 1 + weight in float32, rounding once at the end
         return cast(F.rms_norm(x.float(), weight.shape, weight.float() + 1.0, eps), x.dtype)
     if x.dtype == weight.dtype == torch.float32:
@@ -39,6 +42,19 @@ def rms_norm(
 def norm(params: Params, cfg, key: str, x: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm (cfg: a ModelConfig) with the weight `key`."""
     return rms_norm(x, params[key], cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+
+
+def add_norm(
+    params: Params, cfg, key: str, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, the model's RMSNorm of it with the weight `key`): a residual add and the norm
+    that follows it, one pass of the C kernel where it takes them (inference on the CPU)."""
+    if not cfg.rms_norm_unit_offset:
+        both = pointwise.rms_norm(x, params[key], cfg.rms_norm_eps, residual=y)
+        if both is not None:
+            return both
+    x = x + y
+    return x, norm(params, cfg, key, x)
 
 
 def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +126,14 @@ def gated_mlp(
 ) -> torch.Tensor:
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
     gate, up = fused_linear(params, prefix, "gate_up_proj", x, lora)
-    return linear(params, f"{prefix}.down_proj", ACTIVATIONS[act](gate) * up, lora)
+    return linear(params, f"{prefix}.down_proj", gated_activation(act, gate, up), lora)
+
+
+def gated_activation(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up: one C call where the kernel takes them (inference on the CPU)."""
+    if (h := pointwise.gated_activation(act, gate, up)) is not None:
+        return h
+    return ACTIVATIONS[act](gate) * up
 
 
 def attend(
