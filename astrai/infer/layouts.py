@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from astrai.infer.float_gemv import gemv_matrix
 from astrai.infer.packed import pack
 
 
@@ -14,5 +15,6 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-# kept [out, in]; stored [in, out]-contiguous; packed for oneDNN (a PackedMatrix)
-LAYOUTS = {"rows": lambda w: w, "columns": _transposed, "packed": pack}
+# kept [out, in]; stored [in, out]-contiguous; packed for oneDNN (a PackedMatrix); kept [out, in]
+# for our C kernel at few rows (a GemvMatrix)
+LAYOUTS = {"rows": lambda w: w, "columns": _transposed, "packed": pack, "gemv": gemv_matrix}

@@ -36,12 +36,19 @@ CPU_NEEDS = {
     # our C kernels: AVX2 + FMA at least (AVX-512 VNNI taken where present)
     (torch.int8, "gemv"): (("avx2", "fma"),),
     (torch.int4, "gemv"): (("avx2", "fma"),),
+    (torch.float32, "gemv"): (("avx2", "fma"),),
+    (torch.bfloat16, "gemv"): (("avx2", "fma"),),
 }
 # torch's CPU kernel of the weight-only product reads each activation row in whole vectors (16
 # floats with AVX-512, 8 with AVX2) and runs past the end of a row that is not a multiple of
 # them: a segfault, not an error to catch.
-IN_FEATURES_MULTIPLE = {(torch.int8, "weight_only"): 16}
-OUR_KERNEL = "gemv"  # the C products of astrai/kernels, present where they build here
+IN_FEATURES_MULTIPLE = {
+    (torch.int8, "weight_only"): 16,
+    # ours reads whole vectors of 16 too, and refuses other widths
+    (torch.float32, "gemv"): 16,
+    (torch.bfloat16, "gemv"): 16,
+}
+OUR_KERNEL = "gemv"  # the C products of astrai/kernels (float, 8- and 4-bit), where they build
 PROBE_SHAPE = (16, 32)  # the [out, in] of the tiny product each one is tried on
 
 

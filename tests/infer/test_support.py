@@ -51,7 +51,7 @@ def test_a_missing_cpu_feature_is_refused_by_name(monkeypatch, fresh_choices):
     # prepare chooses among the others
     params, _ = make_model("gqa")
     prepared = prepare_params({k: v.to(torch.bfloat16) for k, v in params.items()})
-    assert set(kernels_used(prepared)) == {"float"}
+    assert set(kernels_used(prepared)) <= {"float", "gemv"}  # torch's, or our C kernel
     monkeypatch.setattr(support, "cpu_flags", lambda: AVX2_FLAGS - {"avx2"})
     assert "avx2" in products_here(torch.int8)["dynamic"]
 
