@@ -59,7 +59,8 @@ def rms_norm(
     the weight multiplies, as Llama does). With residual (x's shape), (x + residual, the norm
     of that sum). None where the kernel does not take them (see _takes; rows not evenly
     strided)."""
-    if not _takes(x, weight) if residual is None else not _takes(x, weight, residual):
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if weight.shape != x.shape[-1:] or not _takes(*tensors):
         return None
     stride = _row_stride(x)
     if stride is None or (

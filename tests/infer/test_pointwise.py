@@ -86,6 +86,7 @@ def test_the_kernels_step_aside_where_they_cannot_run():
         assert pointwise.rms_norm(x.double(), w.double(), EPS) is None
         assert pointwise.rms_norm(x, w.bfloat16(), EPS) is None  # mixed dtypes
         assert pointwise.rms_norm(torch.randn(16, 2).t(), w, EPS) is None  # columns
+        assert pointwise.rms_norm(x, torch.randn(8), EPS) is None  # a weight of another width
         assert pointwise.gated_activation("relu", x, x) is None
         strided = torch.randn(4, 3, 16)[:, ::2]  # rows unevenly spaced
         assert pointwise.rms_norm(strided, w, EPS) is None
