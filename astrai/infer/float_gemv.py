@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 
-# Rows up to which the kernel runs: it streams the weights once for any number of rows, and at
-# 16 rows still matched oneDNN's packed layout on a 2-core Intel Xeon; torch's blocked products
-# take longer inputs (prompt chunks), where arithmetic, not reading the weights, is the cost.
-KERNEL_ROWS = 16
+# Rows up to which the kernel runs: it streams the weights once for any number of rows. In
+# float32 it still matched oneDNN's packed layout at 16 rows on a 2-core Intel Xeon; in
+# bfloat16 torch's products (oneDNN, on AMX there) were 2-3x faster than ours at 16 rows,
+# level at 4. Longer inputs (prompt chunks), where arithmetic, not reading the weights, is the
+# cost, go to torch's product on the same tensor.
+KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,7 +38,7 @@ class GemvMatrix:
         return self.weight.shape
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > KERNEL_ROWS * x.shape[-1] or x.requires_grad:  # no gradient here
+        if x.numel() > KERNEL_ROWS[self.weight.dtype] * x.shape[-1] or x.requires_grad:
             return F.linear(x, self.weight)
         return cast(self.run(x), x.dtype)
 

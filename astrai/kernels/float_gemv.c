@@ -9,17 +9,22 @@
  * whichever wins here).
  *
  * Layouts: x float32 [rows][in]; w [out][in], float32 or bfloat16 bits (`bf16`); y float32
- * [rows][out]. in must be a multiple of 16. Two paths, picked at run time: AVX-512 (16 lanes,
- * four activation rows a pass: 16 accumulators) and AVX2 + FMA (8 lanes, two rows). Output
- * rows are split over the OpenMP threads of torch's libgomp, each thread one contiguous range:
- * one stream for the prefetcher. */
+ * [rows][out]. in must be a multiple of 16. Three paths, picked at run time: AVX-512 BF16 for
+ * bfloat16 weights (vdpbf16ps: the activations rounded to bfloat16 once a call, as a bfloat16
+ * model's already are, 32 products a vector summed in float32; in a multiple of 32), AVX-512
+ * (16 lanes, bfloat16 weights widened to float32; four activation rows a pass: 16
+ * accumulators) and AVX2 + FMA (8 lanes, two rows). Output rows are split over the OpenMP
+ * threads of torch's libgomp, each thread one contiguous range: one stream for the
+ * prefetcher. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vector_math.h"
 
 #define AVX512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define TILE 4 /* weight rows a pass reads */
 
 AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
@@ -45,6 +50,28 @@ AVX512F INLINE void block512(const float *x, int in, const void *w, int bf16, in
             __m512 xv = _mm512_loadu_ps(x + (size_t)r * in + i);
             for (int t = 0; t < T; t++)
                 acc[r][t] = _mm512_fmadd_ps(wv[t], xv, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            y[(size_t)r * out + o + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* block512 for bfloat16 weights and activations, 32 inputs a vector, pairs summed by vdpbf16ps */
+AVX512BF16 INLINE void block_dot(const uint16_t *x, int in, const uint16_t *w, int o, int out,
+                                 float *y, const int R, const int T) {
+    __m512 acc[4][TILE];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 32) {
+        __m512bh wv[TILE];
+        for (int t = 0; t < T; t++)
+            wv[t] = (__m512bh)_mm512_loadu_si512(w + (size_t)(o + t) * in + i);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)r * in + i);
+            for (int t = 0; t < T; t++)
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xv);
         }
     }
     for (int r = 0; r < R; r++)
@@ -104,6 +131,43 @@ AVX512F static void range512(const float *x, int rows, int in, const void *w, in
     }
 }
 
+AVX512BF16 static void range_dot(const uint16_t *x, int rows, int in, const uint16_t *w,
+                                 int lo, int hi, int out, float *y) {
+    for (int o = lo; o < hi; o += TILE) {
+        int whole = o + TILE <= hi;
+        for (int r = 0; r < rows; r += 4) {
+            const uint16_t *xr = x + (size_t)r * in;
+            float *yr = y + (size_t)r * out;
+            int n = rows - r < 4 ? rows - r : 4;
+            for (int t = 0; t < (whole ? 1 : hi - o); t++) {
+                int at = o + t;
+                if (whole)
+                    switch (n) {
+                    case 1: block_dot(xr, in, w, at, out, yr, 1, TILE); break;
+                    case 2: block_dot(xr, in, w, at, out, yr, 2, TILE); break;
+                    case 3: block_dot(xr, in, w, at, out, yr, 3, TILE); break;
+                    default: block_dot(xr, in, w, at, out, yr, 4, TILE);
+                    }
+                else
+                    switch (n) {
+                    case 1: block_dot(xr, in, w, at, out, yr, 1, 1); break;
+                    case 2: block_dot(xr, in, w, at, out, yr, 2, 1); break;
+                    case 3: block_dot(xr, in, w, at, out, yr, 3, 1); break;
+                    default: block_dot(xr, in, w, at, out, yr, 4, 1);
+                    }
+            }
+        }
+    }
+}
+
+/* x [n] rounded to bfloat16 bits (n a multiple of 32) */
+AVX512BF16 static void round_activations(const float *x, size_t n, uint16_t *out) {
+    for (size_t i = 0; i < n; i += 32) {
+        __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_storeu_si512(out + i, (__m512i)pair);
+    }
+}
+
 AVX2 static void range256(const float *x, int rows, int in, const void *w, int bf16, int lo,
                           int hi, int out, float *y) {
     for (int o = lo; o < hi; o += TILE) {
@@ -129,26 +193,44 @@ AVX2 static void range256(const float *x, int rows, int in, const void *w, int b
 
 int astrai_gemv_isa(void);
 
-/* 0, or -1: in is not a multiple of 16, -3: the instruction set asked for is missing here
- * (isa 0: the best here, 1: AVX2, 2: AVX-512). */
+/* The paths this CPU runs: 1 AVX2, 2 AVX-512, 3 AVX-512 with BF16 dot products. */
+int astrai_float_gemv_isa(void) {
+    int best = astrai_gemv_isa();
+    return best == 2 && __builtin_cpu_supports("avx512bf16") ? 3 : best;
+}
+
+/* 0, or -1: in is not a multiple of 16, -2: out of memory, -3: the path asked for is missing
+ * here (isa 0: the best here; 1: AVX2, 2: AVX-512, 3: AVX-512 BF16, for bfloat16 weights with
+ * in a multiple of 32; else the best of the others). */
 int astrai_float_gemv(const float *x, int rows, int in, const void *w, int out, int bf16,
                       float *y, int threads, int isa) {
     if (in < 16 || in % 16 || rows < 1 || out < 1)
         return -1;
-    int best = astrai_gemv_isa();
+    int best = astrai_float_gemv_isa();
     isa = isa ? isa : best;
     if (isa > best || isa < 1)
         return -3;
+    if (isa == 3 && (!bf16 || in % 32))
+        isa = 2;
+    uint16_t *rounded = NULL;
+    if (isa == 3) {
+        if (!(rounded = malloc(sizeof(uint16_t) * (size_t)rows * in)))
+            return -2;
+        round_activations(x, (size_t)rows * in, rounded);
+    }
     int tiles = (out + TILE - 1) / TILE;
 #pragma omp parallel num_threads(threads < tiles ? threads : tiles)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int lo = (int)((int64_t)tiles * t / n) * TILE, hi = (int)((int64_t)tiles * (t + 1) / n) * TILE;
         hi = hi < out ? hi : out;
-        if (isa == 2)
+        if (isa == 3)
+            range_dot(rounded, rows, in, w, lo, hi, out, y);
+        else if (isa == 2)
             range512(x, rows, in, w, bf16, lo, hi, out, y);
         else
             range256(x, rows, in, w, bf16, lo, hi, out, y);
     }
+    free(rounded);
     return 0;
 }
