@@ -36,8 +36,9 @@ AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
 
 /* y[r][o + t] for R activation rows and T weight rows from o: constants once inlined, so that
  * the accumulators stay in registers */
-AVX512F INLINE void block512(const float *x, int in, const void *w, int bf16, int o, int out,
+AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, int o, int out,
                              float *y, const int R, const int T) {
+    const float *x = xs;
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
@@ -58,8 +59,9 @@ AVX512F INLINE void block512(const float *x, int in, const void *w, int bf16, in
 }
 
 /* block512 for bfloat16 weights and activations, 32 inputs a vector, pairs summed by vdpbf16ps */
-AVX512BF16 INLINE void block_dot(const uint16_t *x, int in, const uint16_t *w, int o, int out,
-                                 float *y, const int R, const int T) {
+AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf16, int o,
+                                 int out, float *y, const int R, const int T) {
+    const uint16_t *x = xs, *w = ws;
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
@@ -79,8 +81,9 @@ AVX512BF16 INLINE void block_dot(const uint16_t *x, int in, const uint16_t *w, i
             y[(size_t)r * out + o + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-AVX2 INLINE void block256(const float *x, int in, const void *w, int bf16, int o, int out,
+AVX2 INLINE void block256(const void *xs, int in, const void *w, int bf16, int o, int out,
                           float *y, const int R, const int T) {
+    const float *x = xs;
     __m256 acc[2][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
@@ -100,62 +103,54 @@ AVX2 INLINE void block256(const float *x, int in, const void *w, int bf16, int o
             y[(size_t)r * out + o + t] = sum8(acc[r][t]);
 }
 
+/* Each path's blocks as functions of R (index R - 1) and T (index 0: one weight row, 1: TILE),
+ * the constants inlined into each. */
+typedef void (*Block)(const void *x, int in, const void *w, int bf16, int o, int out, float *y);
+#define BLOCK_AS(target, block, R, T)                                                           \
+    target static void block##_##R##_##T(const void *x, int in, const void *w, int bf16, int o, \
+                                         int out, float *y) {                                   \
+        block(x, in, w, bf16, o, out, y, R, T);                                                 \
+    }
+#define BLOCKS_OF(target, block)                                                                \
+    BLOCK_AS(target, block, 1, 1) BLOCK_AS(target, block, 2, 1) BLOCK_AS(target, block, 3, 1) \
+    BLOCK_AS(target, block, 4, 1) BLOCK_AS(target, block, 1, 4) BLOCK_AS(target, block, 2, 4)   \
+    BLOCK_AS(target, block, 3, 4) BLOCK_AS(target, block, 4, 4)
+BLOCKS_OF(AVX512F, block512)
+BLOCKS_OF(AVX512BF16, block_dot)
+BLOCK_AS(AVX2, block256, 1, 1)
+BLOCK_AS(AVX2, block256, 2, 1)
+BLOCK_AS(AVX2, block256, 1, 4)
+BLOCK_AS(AVX2, block256, 2, 4)
+
+typedef struct {
+    Block blocks[2][4];
+    int rows;         /* activation rows a block takes at most */
+    size_t row_bytes; /* per input of an activation row: float32 or bfloat16 */
+} Path;
+
+static const Path PATHS[4] = {
+    [1] = {{{block256_1_1, block256_2_1}, {block256_1_4, block256_2_4}}, 2, sizeof(float)},
+    [2] = {{{block512_1_1, block512_2_1, block512_3_1, block512_4_1},
+            {block512_1_4, block512_2_4, block512_3_4, block512_4_4}},
+           4,
+           sizeof(float)},
+    [3] = {{{block_dot_1_1, block_dot_2_1, block_dot_3_1, block_dot_4_1},
+            {block_dot_1_4, block_dot_2_4, block_dot_3_4, block_dot_4_4}},
+           4,
+           sizeof(uint16_t)},
+};
+
 /* Output rows lo..hi-1 for all activation rows: each tile of weight rows once from memory,
  * again from the caches for each further block of activation rows. */
-AVX512F static void range512(const float *x, int rows, int in, const void *w, int bf16, int lo,
-                             int hi, int out, float *y) {
+static void range(const Path *path, const void *x, int rows, int in, const void *w, int bf16,
+                  int lo, int hi, int out, float *y) {
     for (int o = lo; o < hi; o += TILE) {
         int whole = o + TILE <= hi;
-        for (int r = 0; r < rows; r += 4) {
-            const float *xr = x + (size_t)r * in;
-            float *yr = y + (size_t)r * out;
-            int n = rows - r < 4 ? rows - r : 4;
-            for (int t = 0; t < (whole ? 1 : hi - o); t++) {
-                int at = o + t;
-                if (whole)
-                    switch (n) {
-                    case 1: block512(xr, in, w, bf16, at, out, yr, 1, TILE); break;
-                    case 2: block512(xr, in, w, bf16, at, out, yr, 2, TILE); break;
-                    case 3: block512(xr, in, w, bf16, at, out, yr, 3, TILE); break;
-                    default: block512(xr, in, w, bf16, at, out, yr, 4, TILE);
-                    }
-                else
-                    switch (n) {
-                    case 1: block512(xr, in, w, bf16, at, out, yr, 1, 1); break;
-                    case 2: block512(xr, in, w, bf16, at, out, yr, 2, 1); break;
-                    case 3: block512(xr, in, w, bf16, at, out, yr, 3, 1); break;
-                    default: block512(xr, in, w, bf16, at, out, yr, 4, 1);
-                    }
-            }
-        }
-    }
-}
-
-AVX512BF16 static void range_dot(const uint16_t *x, int rows, int in, const uint16_t *w,
-                                 int lo, int hi, int out, float *y) {
-    for (int o = lo; o < hi; o += TILE) {
-        int whole = o + TILE <= hi;
-        for (int r = 0; r < rows; r += 4) {
-            const uint16_t *xr = x + (size_t)r * in;
-            float *yr = y + (size_t)r * out;
-            int n = rows - r < 4 ? rows - r : 4;
-            for (int t = 0; t < (whole ? 1 : hi - o); t++) {
-                int at = o + t;
-                if (whole)
-                    switch (n) {
-                    case 1: block_dot(xr, in, w, at, out, yr, 1, TILE); break;
-                    case 2: block_dot(xr, in, w, at, out, yr, 2, TILE); break;
-                    case 3: block_dot(xr, in, w, at, out, yr, 3, TILE); break;
-                    default: block_dot(xr, in, w, at, out, yr, 4, TILE);
-                    }
-                else
-                    switch (n) {
-                    case 1: block_dot(xr, in, w, at, out, yr, 1, 1); break;
-                    case 2: block_dot(xr, in, w, at, out, yr, 2, 1); break;
-                    case 3: block_dot(xr, in, w, at, out, yr, 3, 1); break;
-                    default: block_dot(xr, in, w, at, out, yr, 4, 1);
-                    }
-            }
+        for (int r = 0; r < rows; r += path->rows) {
+            const char *xr = (const char *)x + (size_t)r * in * path->row_bytes;
+            int n = rows - r < path->rows ? rows - r : path->rows;
+            for (int t = 0; t < (whole ? 1 : hi - o); t++)
+                path->blocks[whole][n - 1](xr, in, w, bf16, o + t, out, y + (size_t)r * out);
         }
     }
 }
@@ -165,29 +160,6 @@ AVX512BF16 static void round_activations(const float *x, size_t n, uint16_t *out
     for (size_t i = 0; i < n; i += 32) {
         __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
         _mm512_storeu_si512(out + i, (__m512i)pair);
-    }
-}
-
-AVX2 static void range256(const float *x, int rows, int in, const void *w, int bf16, int lo,
-                          int hi, int out, float *y) {
-    for (int o = lo; o < hi; o += TILE) {
-        int whole = o + TILE <= hi;
-        for (int r = 0; r < rows; r += 2) {
-            const float *xr = x + (size_t)r * in;
-            float *yr = y + (size_t)r * out;
-            int two = rows - r >= 2;
-            for (int t = 0; t < (whole ? 1 : hi - o); t++) {
-                int at = o + t;
-                if (whole && two)
-                    block256(xr, in, w, bf16, at, out, yr, 2, TILE);
-                else if (whole)
-                    block256(xr, in, w, bf16, at, out, yr, 1, TILE);
-                else if (two)
-                    block256(xr, in, w, bf16, at, out, yr, 2, 1);
-                else
-                    block256(xr, in, w, bf16, at, out, yr, 1, 1);
-            }
-        }
     }
 }
 
@@ -224,12 +196,7 @@ int astrai_float_gemv(const float *x, int rows, int in, const void *w, int out, 
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int lo = (int)((int64_t)tiles * t / n) * TILE, hi = (int)((int64_t)tiles * (t + 1) / n) * TILE;
         hi = hi < out ? hi : out;
-        if (isa == 3)
-            range_dot(rounded, rows, in, w, lo, hi, out, y);
-        else if (isa == 2)
-            range512(x, rows, in, w, bf16, lo, hi, out, y);
-        else
-            range256(x, rows, in, w, bf16, lo, hi, out, y);
+        range(&PATHS[isa], isa == 3 ? (const void *)rounded : x, rows, in, w, bf16, lo, hi, out, y);
     }
     free(rounded);
     return 0;
