@@ -37,12 +37,14 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     x = embed(params, cfg, tokens)
     in_place = _reads_pages_in_place(cfg, pool, tokens)
     if in_place:
-        mask, sliding = _paged_masks(cfg, table, positions)
+        mask, sliding = _paged_masks(cfg, table, positions, slots)
     else:
         mask, sliding = _dense_masks(cfg, positions, used * ps, x.dtype)
 
     def store(layer, k_new, v_new):
         k_layer, v_layer = pool["k"][layer], pool["v"][layer]
+        if k_new is None:  # decode_attention writes the new entries itself
+            return k_layer, v_layer
         k_rows = k_new[valid] if valid is not None else k_new.flatten(0, 1)
         v_rows = v_new[valid] if valid is not None else v_new.flatten(0, 1)
         k_layer.view(num_slots, *k_layer.shape[2:]).index_copy_(
@@ -74,13 +76,14 @@ def _reads_pages_in_place(cfg: ModelConfig, pool: Pool, tokens: torch.Tensor) ->
     )
 
 
-def _paged_masks(cfg: ModelConfig, table: torch.Tensor, positions: torch.Tensor):
-    """(mask, sliding-window mask or None) for attention over the pages in place. The table
-    is made contiguous here, once a step, not by the kernel's wrapper in every layer (a slice
-    of a wider page table is not)."""
+def _paged_masks(cfg: ModelConfig, table: torch.Tensor, positions: torch.Tensor, slots):
+    """(mask, sliding-window mask or None) for attention over the pages in place, with the
+    slots of the new tokens (a plain layer's kernel writes them itself). The table is made
+    contiguous here, once a step, not by the kernel's wrapper in every layer (a slice of a
+    wider page table is not)."""
     table, keys = table.contiguous(), positions[:, 0] + 1
-    sliding = PagedMask(table, keys, cfg.sliding_window) if cfg.has_sliding_layers else None
-    return PagedMask(table, keys), sliding
+    sliding = PagedMask(table, keys, cfg.sliding_window, slots) if cfg.has_sliding_layers else None
+    return PagedMask(table, keys, 0, slots), sliding
 
 
 def _dense_masks(cfg: ModelConfig, positions: torch.Tensor, keys: int, dtype: torch.dtype):

@@ -10,12 +10,15 @@
  *   out   float32 [rows][heads][dim]
  * Query heads h = g * groups + j share K/V head g (grouped-query attention). With window > 0 a
  * row sees only its last `window` keys. Work is split over (row, K/V head) pairs on the OpenMP
- * threads of the libgomp torch loads. Scores and sums are float32, softmax by its maximum. */
+ * threads of the libgomp torch loads. Scores and sums are float32, softmax by its maximum.
+ * astrai_paged_decode does a decode step's whole attention in one call: each row's new query
+ * and key rotated, the key and value written to the pool, then the same attention. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vector_math.h"
 
@@ -128,50 +131,142 @@ AVX2 static void weigh(const Pool *pool, const float *weights, const size_t *at,
     }
 }
 
+/* Each decoding row's new token, for astrai_paged_decode: its projections and where they go. */
+typedef struct {
+    const void *qkv;        /* [rows] x [heads + 2 kv_heads][dim], rows `stride` apart */
+    int64_t stride;
+    int bf16;               /* qkv (and so the rotated q and k) in bfloat16 */
+    const float *cos, *sin; /* [rows][dim] rotation tables (sin's first half negated), or NULL */
+    const int64_t *slots;   /* [rows]: the pool slot of each row's new K/V */
+} NewTokens;
+
+static float element(const void *p, int bf16, size_t i) {
+    if (!bf16)
+        return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One head of the projections at `at` rotated by the tables (x cos + x rolled by half sin), or
+ * copied without them, into dst, rounded to bfloat16 where the projections are: eight values
+ * at a time where half a head is a multiple of 8, else one by one. */
+AVX2 static void rotate(const NewTokens *t, size_t at, const float *cos, const float *sin,
+                        int dim, float *dst) {
+    int half = dim / 2;
+    for (int i = 0; cos && half % 8 && i < dim; i++)
+        dst[i] = element(t->qkv, t->bf16, at + i) * cos[i] +
+                 element(t->qkv, t->bf16, at + (i + half) % dim) * sin[i];
+    for (int i = 0; i < dim; i += 8) {
+        __m256 x;
+        if (!cos)
+            x = load8(t->qkv, t->bf16, at + i);
+        else if (half % 8)
+            x = _mm256_loadu_ps(dst + i);
+        else
+            x = _mm256_fmadd_ps(load8(t->qkv, t->bf16, at + (i + half) % dim),
+                                _mm256_loadu_ps(sin + i),
+                                _mm256_mul_ps(load8(t->qkv, t->bf16, at + i), _mm256_loadu_ps(cos + i)));
+        _mm256_storeu_ps(dst + i, t->bf16 ? round_bf16(x) : x);
+    }
+}
+
+/* Row b's new key of K/V head g rotated and stored with its value at the row's slot, and the
+ * group's query heads rotated into q [groups][dim]. */
+AVX2 static void place(const Pool *pool, const NewTokens *t, int b, int g, int heads, int groups,
+                       float *q) {
+    int dim = pool->dim;
+    size_t row = (size_t)b * t->stride, to = ((size_t)t->slots[b] * pool->kv_heads + g) * dim;
+    const float *cos = t->cos ? t->cos + (size_t)b * dim : NULL;
+    const float *sin = t->sin ? t->sin + (size_t)b * dim : NULL;
+    for (int j = 0; j < groups; j++)
+        rotate(t, row + (size_t)(g * groups + j) * dim, cos, sin, dim, q + (size_t)j * dim);
+    float key[dim];
+    rotate(t, row + (size_t)(heads + g) * dim, cos, sin, dim, key);
+    size_t value = row + (size_t)(heads + pool->kv_heads + g) * dim;
+    for (int i = 0; i < dim; i += 8) {
+        store8((void *)pool->k, pool->bf16, to + i, _mm256_loadu_ps(key + i));
+        store8((void *)pool->v, pool->bf16, to + i, load8(t->qkv, t->bf16, value + i));
+    }
+}
+
+/* Attention of every row's query heads over its pages (astrai_paged_attention); with `new`,
+ * each row's new token placed first (astrai_paged_decode). */
+static int attend_rows(const Pool *pool, const NewTokens *new, const float *q, int64_t q_stride,
+                       const int64_t *table, int width, const int64_t *keys, int window,
+                       int rows, int heads, float *out, int threads) {
+    int kv_heads = pool->kv_heads, dim = pool->dim, page_size = pool->page_size;
+    if (rows < 1 || kv_heads < 1 || heads % kv_heads || dim < 8 || dim % 8 || page_size < 1 ||
+        width < 1 || pool->pages < 1)
+        return 1;
+    int groups = heads / kv_heads, longest = 0;
+    for (int b = 0; b < rows; b++) {
+        if (keys[b] < 1 || keys[b] > (int64_t)width * page_size)
+            return 2;
+        if (new && (new->slots[b] < 0 || new->slots[b] >= (int64_t)pool->pages * page_size))
+            return 4;
+        longest = keys[b] > longest ? (int)keys[b] : longest;
+    }
+    int stride = (longest + 7) / 8 * 8, failed = 0, tasks = rows * kv_heads;
+#pragma omp parallel num_threads(threads < tasks ? threads : tasks)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)groups * stride);
+        size_t *at = malloc(sizeof(size_t) * stride);
+        float *placed = new ? malloc(sizeof(float) * (size_t)groups * dim) : NULL;
+        if (!scores || !at || (new && !placed)) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < tasks; task++) {
+            if (!scores || !at || (new && !placed))
+                continue;
+            int b = task / kv_heads, g = task % kv_heads, last = (int)keys[b];
+            int first = window > 0 && last > window ? last - window : 0, n = last - first;
+            int width8 = (n + 7) / 8 * 8;
+            size_t head = (size_t)g * groups * dim;
+            if (!locate(pool, table + (size_t)b * width, first, n, g, at)) {
+#pragma omp atomic write
+                failed = 4;
+                continue;
+            }
+            if (new) /* the new key is this task's own (row, K/V head): written before it is read */
+                place(pool, new, b, g, heads, groups, placed);
+            score(pool, new ? placed : q + b * q_stride + head, at, n, groups, width8, scores);
+            softmax(scores, n, groups, width8);
+            weigh(pool, scores, at, n, groups, width8, out + (size_t)b * heads * dim + head);
+        }
+        free(scores);
+        free(at);
+        free(placed);
+    }
+    return failed;
+}
+
 /* 0, or 1: a shape is out of range (dim must be a multiple of 8), 2: a row sees no key or more
  * than its pages hold, 3: out of memory, 4: the table names a page the pool lacks. */
 int astrai_paged_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                            int bf16, int pages, const int64_t *table, int width, const int64_t *keys,
                            int window, int rows, int heads, int kv_heads, int dim, int page_size,
                            float scale, float *out, int threads) {
-    if (rows < 1 || kv_heads < 1 || heads % kv_heads || dim < 8 || dim % 8 || page_size < 1 ||
-        width < 1 || pages < 1)
-        return 1;
-    int groups = heads / kv_heads, longest = 0;
-    for (int b = 0; b < rows; b++) {
-        if (keys[b] < 1 || keys[b] > (int64_t)width * page_size)
-            return 2;
-        longest = keys[b] > longest ? (int)keys[b] : longest;
-    }
     Pool pool = {k, v, bf16, pages, kv_heads, dim, page_size, scale};
-    int stride = (longest + 7) / 8 * 8, failed = 0, tasks = rows * kv_heads;
-#pragma omp parallel num_threads(threads < tasks ? threads : tasks)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)groups * stride);
-        size_t *at = malloc(sizeof(size_t) * stride);
-        if (!scores || !at) {
-#pragma omp atomic write
-            failed = 3;
-        }
-#pragma omp for schedule(static)
-        for (int task = 0; task < tasks; task++) {
-            if (!scores || !at)
-                continue;
-            int b = task / kv_heads, g = task % kv_heads, last = (int)keys[b];
-            int first = window > 0 && last > window ? last - window : 0, n = last - first;
-            int width8 = (n + 7) / 8 * 8;
-            size_t head = (size_t)g * groups * dim;
-            if (!locate(&pool, table + (size_t)b * width, first, n, g, at)) {
-#pragma omp atomic write
-                failed = 4;
-                continue;
-            }
-            score(&pool, q + b * q_stride + head, at, n, groups, width8, scores);
-            softmax(scores, n, groups, width8);
-            weigh(&pool, scores, at, n, groups, width8, out + (size_t)b * heads * dim + head);
-        }
-        free(scores);
-        free(at);
-    }
-    return failed;
+    return attend_rows(&pool, NULL, q, q_stride, table, width, keys, window, rows, heads, out,
+                       threads);
+}
+
+/* One decode step's attention in one call: each row's new token's query and key rotated (cos,
+ * sin: NULL in a layer without RoPE), its key and value written to its slot of the pool, then
+ * astrai_paged_attention. qkv: each row's projections, [heads + 2 kv_heads][dim], float32 or
+ * bfloat16 bits (bf16_in), rows qkv_stride apart. The errors of astrai_paged_attention, and 4
+ * for a slot the pool lacks. */
+int astrai_paged_decode(const void *qkv, int64_t qkv_stride, int bf16_in, const float *cos,
+                        const float *sin, const int64_t *slots, void *k, void *v, int bf16,
+                        int pages, const int64_t *table, int width, const int64_t *keys,
+                        int window, int rows, int heads, int kv_heads, int dim, int page_size,
+                        float scale, float *out, int threads) {
+    Pool pool = {k, v, bf16, pages, kv_heads, dim, page_size, scale};
+    NewTokens new = {qkv, qkv_stride, bf16_in, cos, sin, slots};
+    return attend_rows(&pool, &new, NULL, 0, table, width, keys, window, rows, heads, out,
+                       threads);
 }

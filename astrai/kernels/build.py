@@ -98,6 +98,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_float_gemv.argtypes = [p, i, i, p, i, i, p, i, i]
     lib.astrai_paged_attention.restype = i
     lib.astrai_paged_attention.argtypes = [p, i64, p, p, i, i, p, i, p, i, i, i, i, i, i, f, p, i]
+    lib.astrai_paged_decode.restype = i
+    lib.astrai_paged_decode.argtypes = [
+        p, i64, i, p, p, p, p, p, i, i, p, i, p, i, i, i, i, i, i, f, p, i
+    ]  # fmt: skip
     lib.astrai_rms_norm.restype = i
     lib.astrai_rms_norm.argtypes = [p, p, i64, i, i, p, i, f, p, p, i]
     lib.astrai_gated_activation.restype = i

@@ -14,9 +14,12 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
+from astrai.kernels.paged_attention import PagedMask, decode_attention, decode_takes
 from astrai.model.layers import Params, attend, fused_linear, linear, norm
 from astrai.model.rope import apply_rope
 
+# (layer, new keys, new values) -> what the layer attends over. Called with None, None where a
+# PagedMask has the kernel write the new entries itself: the stored entries, nothing added.
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -142,6 +145,39 @@ def attention_layer(
 ) -> torch.Tensor:
     qkv, out = ATTENTION[cfg.attn_type]
     prefix = f"model.layers.{layer}.self_attn"
+    if (
+        isinstance(mask, PagedMask)
+        and mask.slots is not None
+        and _plain(params, cfg, prefix, rope, lora)
+    ):
+        return _decode_in_pages(params, cfg, prefix, layer, x, rope, kv_store, mask)
     q, k_new, v_new, gate = qkv(params, cfg, prefix, x, rope, lora)
     k, v = kv_store(layer, k_new, v_new)
     return out(params, cfg, prefix, q, k, v, mask, causal, gate, lora)
+
+
+def _plain(params: Params, cfg: ModelConfig, prefix: str, rope, lora) -> bool:
+    """Whether the layer is grouped-query attention of a fused q/k/v product and nothing more
+    (no gate, no q/k norm, no adapter, RoPE over whole heads or none): decode_attention's."""
+    return (
+        cfg.attn_type == "gqa"
+        and not (cfg.use_gated_attention or cfg.use_qk_norm or lora)
+        and f"{prefix}.qkv_proj.weight" in params
+        and decode_takes(
+            cfg.num_attention_heads,
+            cfg.kv_heads,
+            cfg.dim_per_head,
+            None if rope is None else rope[0].shape[-1],
+        )
+    )
+
+
+def _decode_in_pages(params, cfg, prefix, layer, x, rope, kv_store, mask) -> torch.Tensor:
+    """A plain layer's decode step with its attention in one C call, which rotates the new
+    query and key, writes the new key and value to the pages and attends over them."""
+    k_pages, v_pages = kv_store(layer, None, None)
+    qkv = linear(params, f"{prefix}.qkv_proj", x)
+    o = decode_attention(
+        qkv, rope, k_pages, v_pages, mask, cfg.num_attention_heads, cfg.attention_scale
+    )
+    return linear(params, f"{prefix}.o_proj", o)

@@ -1,20 +1,23 @@
 """Decode attention over the pages in place (astrai/kernels/attention.c) against attention over
 the same keys gathered and computed in float64: float32 and bfloat16 pools, grouped heads, head
 sizes, page sizes, rows of different lengths on scattered pages, sliding windows; bad calls
-refused by name; and a decode step through it equal to one that gathers the pages."""
+refused by name; a decode step through it equal to one that gathers the pages; and a plain
+layer's attention in one call (rotate, store, attend) writing the pages and giving the logits of
+the layer-by-layer way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from infer_models import BASE, CONFIGS
-from numerics import tolerance
+from numerics import assert_close, tolerance
 
 import astrai as ai
 import astrai.infer.paged as paged
-from astrai.infer import alloc_pages, decode_step, init_pages, prefill
+from astrai.infer import alloc_pages, decode_step, init_pages, prefill, prepare_params
 from astrai.kernels import build
 from astrai.kernels.paged_attention import PagedMask, paged_attention, runs_here
+from astrai.model import attention
 
 pytestmark = pytest.mark.skipif(
     build.kernel_library() is None, reason=f"our C kernels are absent: {build.why_absent()}"
@@ -131,4 +134,41 @@ def test_a_decode_step_reading_pages_in_place_matches_one_gathering_them(kind, d
     scale = max(1.0, steps[1].abs().max().item())
     torch.testing.assert_close(
         steps[0], steps[1], **tolerance(cfg.num_hidden_layers * per_layer, dtype, scale)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plain_layer_attends_in_one_call_and_writes_the_same_pages(dtype, monkeypatch):
+    # astrai_paged_decode rotates, stores and attends in one call; layer by layer, torch rotates
+    # and stores and the kernel attends: the same pages and logits, step after step
+    cfg = MODELS["sliding"]  # plain GQA: one sliding-window layer, one full
+    params = prepare_params({name: t.to(dtype) for name, t in ai.init_params(cfg, seed=1).items()})
+    tokens = torch.randint(1, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    calls, real = [], attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    runs = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(attention, "_plain", lambda *args: False)
+        pool = init_pages(cfg, 8, 4, dtype, "cpu")
+        pool, pages = alloc_pages(pool, 8)
+        table = torch.tensor(pages).view(2, 4).flip(1)
+        _, pool = prefill(params, cfg, pool, tokens[:, :5], table, 0)
+        steps = []
+        for position in range(5, 12):  # the fixed next tokens: both runs see the same inputs
+            logits, pool = decode_step(
+                params, cfg, pool, tokens[:, position], torch.tensor([position] * 2), table
+            )
+            steps.append(logits)
+        runs.append((torch.stack(steps), pool))
+    assert len(calls) == 7 * cfg.num_hidden_layers  # every layer of every step took one call
+    (fused, fused_pool), (layered, layered_pool) = runs
+    # RoPE rounds once more or less (an FMA); in bfloat16 a value may land one step apart
+    roundings = 4 if dtype == torch.float32 else 2
+    for key in ("k", "v"):
+        assert_close(fused_pool[key], layered_pool[key], roundings)
+    per_layer = cfg.dim_per_head + 2 * 12 if dtype == torch.float32 else 4
+    scale = max(1.0, layered.abs().max().item())
+    torch.testing.assert_close(
+        fused, layered, **tolerance(cfg.num_hidden_layers * per_layer * 7, dtype, scale)
     )
