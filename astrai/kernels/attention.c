@@ -18,7 +18,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "vector_math.h"
 
@@ -141,35 +140,28 @@ typedef struct {
 } NewTokens;
 
 static float element(const void *p, int bf16, size_t i) {
-    if (!bf16)
-        return ((const float *)p)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* One head of the projections at `at` rotated by the tables (x cos + x rolled by half sin), or
- * copied without them, into dst, rounded to bfloat16 where the projections are: eight values
- * at a time where half a head is a multiple of 8, else one by one. */
+ * copied without them, into dst, rounded to bfloat16 where the projections are. */
 AVX2 static void rotate(const NewTokens *t, size_t at, const float *cos, const float *sin,
                         int dim, float *dst) {
     int half = dim / 2;
-    for (int i = 0; cos && half % 8 && i < dim; i++)
-        dst[i] = element(t->qkv, t->bf16, at + i) * cos[i] +
-                 element(t->qkv, t->bf16, at + (i + half) % dim) * sin[i];
-    for (int i = 0; i < dim; i += 8) {
-        __m256 x;
-        if (!cos)
-            x = load8(t->qkv, t->bf16, at + i);
-        else if (half % 8)
-            x = _mm256_loadu_ps(dst + i);
-        else
-            x = _mm256_fmadd_ps(load8(t->qkv, t->bf16, at + (i + half) % dim),
-                                _mm256_loadu_ps(sin + i),
-                                _mm256_mul_ps(load8(t->qkv, t->bf16, at + i), _mm256_loadu_ps(cos + i)));
-        _mm256_storeu_ps(dst + i, t->bf16 ? round_bf16(x) : x);
-    }
+    if (cos && half % 8) /* half a head is no whole vector: one value at a time */
+        for (int i = 0; i < dim; i++)
+            dst[i] = element(t->qkv, t->bf16, at + i) * cos[i] +
+                     element(t->qkv, t->bf16, at + (i + half) % dim) * sin[i];
+    else
+        for (int i = 0; i < dim; i += 8) {
+            __m256 x = load8(t->qkv, t->bf16, at + i);
+            if (cos)
+                x = _mm256_fmadd_ps(load8(t->qkv, t->bf16, at + (i + half) % dim),
+                                    _mm256_loadu_ps(sin + i), _mm256_mul_ps(x, _mm256_loadu_ps(cos + i)));
+            _mm256_storeu_ps(dst + i, x);
+        }
+    for (int i = 0; t->bf16 && i < dim; i += 8)
+        _mm256_storeu_ps(dst + i, round_bf16(_mm256_loadu_ps(dst + i)));
 }
 
 /* Row b's new key of K/V head g rotated and stored with its value at the row's slot, and the

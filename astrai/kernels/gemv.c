@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #define BLOCK 32
 #define PAIR 64
 /* Weight rows a pass multiplies together, interleaved in memory. Measured streaming 4864 x 896
@@ -35,8 +37,6 @@ static inline size_t tiled(int row, int p, int pairs, int bytes) {
     return (((size_t)(row / TILE) * pairs + p) * TILE + row % TILE) * bytes;
 }
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
 
 /* The activations of one call, quantized once and read by every thread. */
 typedef struct {
@@ -46,13 +46,6 @@ typedef struct {
     float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each */
     float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
 } Activations;
-
-static float bf16_to_float(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* compiled for AVX2 (every CPU the products run on has it), so the rounding is one instruction */
 AVX2 static float nearest(float v) { return __builtin_roundevenf(v); }
@@ -282,13 +275,6 @@ AVX512 static void int8_rows512(const int8_t *w, const float *s, const Activatio
 
 /* ---------------------------------------------------------------- AVX2 */
 
-AVX2 INLINE float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* the dot of 32 unsigned bytes with 32 signed ones, as 8 float lanes */
 AVX2 INLINE __m256 dot32(__m256i u, __m256i s) {
     __m256i pairs = _mm256_maddubs_epi16(u, s);
@@ -320,7 +306,7 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
             float offsets = 0.0f;
             for (int g = 0; g < groups; g++)
                 offsets += (bf16_to_float(z[g]) - 8.0f * bf16_to_float(s[g])) * sums[g];
-            y[(size_t)i * out + row] = hsum256(acc) + offsets;
+            y[(size_t)i * out + row] = sum8(acc) + offsets;
         }
     }
 }
@@ -340,7 +326,7 @@ AVX2 static void int8_rows256(const int8_t *weight, const float *row_scale, cons
                 __m256 d = dot32(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
                 acc = _mm256_fmadd_ps(d, _mm256_set1_ps(step[b]), acc);
             }
-            y[(size_t)i * out + row] = hsum256(acc) * row_scale[row];
+            y[(size_t)i * out + row] = sum8(acc) * row_scale[row];
         }
     }
 }

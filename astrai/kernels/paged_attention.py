@@ -87,12 +87,6 @@ def paged_attention(
     return out.transpose(1, 2).to(q.dtype)
 
 
-def decode_takes(heads: int, kv_heads: int, dim: int, rotary: int | None) -> bool:
-    """Whether decode_attention takes a layer of these heads: its rotation, where it has one,
-    over whole heads (rotary == dim)."""
-    return heads % kv_heads == 0 and (rotary is None or rotary == dim)
-
-
 def decode_attention(
     qkv: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -108,7 +102,7 @@ def decode_attention(
 
     qkv [B, 1, (heads + 2 Hkv) * D]: the fused projection, float32 or bfloat16 (the rotated
     values rounded to it, as torch's RoPE rounds them); k, v: one layer of the pool, [pages,
-    page_size, Hkv, D], written in place. Check decode_takes first. Returns [B, 1, heads * D]
+    page_size, Hkv, D], written in place. RoPE, where given, spans whole heads. Returns [B, 1, heads * D]
     in qkv's dtype."""
     B = qkv.shape[0]
     pages, page_size, kv_heads, D = k.shape

@@ -1,10 +1,20 @@
-/* What more than one kernel of this folder computes on 8 floats at a time (AVX2 + FMA). */
+/* What more than one kernel of this folder computes: bfloat16 widening and rounding, and 8
+ * floats at a time (AVX2 + FMA). */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define AVX2 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
+
+/* one bfloat16 value (its bits) as float32 */
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* e^x for x <= 0 (Cephes' single-precision polynomial: relative error ~1e-7) */
 AVX2 INLINE __m256 exp8(__m256 x) {

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
-from astrai.kernels.paged_attention import PagedMask, decode_attention, decode_takes
+from astrai.kernels.paged_attention import PagedMask, decode_attention
 from astrai.model.layers import Params, attend, fused_linear, linear, norm
 from astrai.model.rope import apply_rope
 
@@ -163,12 +163,7 @@ def _plain(params: Params, cfg: ModelConfig, prefix: str, rope, lora) -> bool:
         cfg.attn_type == "gqa"
         and not (cfg.use_gated_attention or cfg.use_qk_norm or lora)
         and f"{prefix}.qkv_proj.weight" in params
-        and decode_takes(
-            cfg.num_attention_heads,
-            cfg.kv_heads,
-            cfg.dim_per_head,
-            None if rope is None else rope[0].shape[-1],
-        )
+        and (rope is None or rope[0].shape[-1] == cfg.dim_per_head)
     )
 
 
