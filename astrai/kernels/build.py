@@ -29,7 +29,7 @@ log = logging.getLogger("astrai.infer")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("gemv.c", "float_gemv.c", "attention.c", "pointwise.c")
+    for name in ("gemv.c", "float_gemv.c", "attention.c", "pointwise.c", "cross_entropy.c")
 )
 HEADERS = (Path(__file__).with_name("vector_math.h"),)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
@@ -106,6 +106,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_rms_norm.argtypes = [p, p, i64, i, i, p, i, f, p, p, i]
     lib.astrai_gated_activation.restype = i
     lib.astrai_gated_activation.argtypes = [p, p, i64, i, i, i, i, p, i]
+    lib.astrai_cross_entropy_grad.restype = i
+    lib.astrai_cross_entropy_grad.argtypes = [p, i, i64, i64, p, i64, f, p, i]
     return lib
 
 

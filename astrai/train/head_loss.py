@@ -22,9 +22,14 @@ import sys
 import torch
 
 from astrai.config import ModelConfig
+from astrai.kernels.cross_entropy import cross_entropy_grad_, kernel_takes
 from astrai.model import IGNORE
 
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk: 16 MB in float32, which a large L2/L3 holds
+# With our C kernel (one pass a row, each row in L2) the chunk only sets the product's height,
+# and taller products run faster: a bf16 step of the benchmark's small model took 0.97 s in
+# chunks of 131 rows, 0.91 s in 524 and 0.89 s in one, on a 2-core Intel Xeon with AMX.
+KERNEL_CHUNK_ELEMENTS = 1 << 24
 
 
 def fused_head_applies(cfg: ModelConfig, weight) -> bool:
@@ -110,10 +115,14 @@ def _loss_and_logit_grad(h, w, labels, smoothing):
     rows, vocab = h.shape[0], w.shape[0]
     grad = torch.empty(rows, vocab, dtype=h.dtype, device=h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    step = max(1, CHUNK_ELEMENTS // vocab)
+    in_kernel = kernel_takes(grad, labels)
+    step = max(1, (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab)
     for start in range(0, rows, step):
         part = slice(start, start + step)
         rounded = torch.mm(h[part], w.t(), out=grad[part])
+        if in_kernel:  # one pass a row in C, no casts
+            total += cross_entropy_grad_(rounded, labels[part], IGNORE, smoothing)
+            continue
         logits = rounded.float()  # the same tensor in float32: worked on in place
         total += _chunk_loss_to_grad_(logits, labels[part], smoothing)
         if logits is not rounded:

@@ -1,6 +1,7 @@
 """The chunked head + cross-entropy against F.linear and F.cross_entropy written plainly: the
 same loss and the same gradients, in float32 and under bf16 autocast, through torch.autograd
-and torch.func."""
+and torch.func; with torch's ops (a vocabulary of 100) and with our C kernel (104, a multiple
+of 8)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,32 @@ import torch.nn.functional as F
 from numerics import tolerance
 
 from astrai.config import ModelConfig
+from astrai.kernels.build import why_absent
+from astrai.kernels.cross_entropy import cross_entropy_grad_
 from astrai.model import IGNORE
 from astrai.train import head_loss
 from astrai.train.head_loss import fused_head_applies, head_cross_entropy_sum
 
 B, T, H, V = 2, 7, 16, 100
+KERNEL_V = 104  # our C kernel takes vocabularies of a multiple of 8
 SCALE = 0.7  # what the step multiplies the summed loss by (its weight over its count)
+
+
+needs_kernels = pytest.mark.skipif(why_absent() is not None, reason=f"{why_absent()}")
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Chunks of 3 rows: 14 rows take five chunks, the last one short."""
     monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 3 * V)
+    monkeypatch.setattr(head_loss, "KERNEL_CHUNK_ELEMENTS", 3 * KERNEL_V)
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, vocab=V):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, H, generator=g)
-    weight = torch.randn(V, H, generator=g) * 0.5
-    labels = torch.randint(0, V, (B, T), generator=g)
+    weight = torch.randn(vocab, H, generator=g) * 0.5
+    labels = torch.randint(0, vocab, (B, T), generator=g)
     labels[0, -1] = labels[1, 2] = IGNORE
     return hidden, weight, labels
 
@@ -52,10 +60,11 @@ def _loss_and_grads(loss_of, hidden, weight, labels, smoothing, bf16):
     return loss.detach(), hidden.grad, weight.grad
 
 
+@pytest.mark.parametrize("vocab", [V, KERNEL_V])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_the_same_loss_and_gradients_as_the_plain_head_and_cross_entropy(smoothing, bf16):
-    hidden, weight, labels = _inputs()
+def test_the_same_loss_and_gradients_as_the_plain_head_and_cross_entropy(smoothing, bf16, vocab):
+    hidden, weight, labels = _inputs(vocab=vocab)
     fused = _loss_and_grads(head_cross_entropy_sum, hidden, weight, labels, smoothing, bf16)
     plain = _loss_and_grads(_plain, hidden, weight, labels, smoothing, bf16)
     assert fused[1].dtype == fused[2].dtype == torch.float32  # grads in the params' dtype
@@ -67,14 +76,15 @@ def test_the_same_loss_and_gradients_as_the_plain_head_and_cross_entropy(smoothi
     else:
         # The log-sum-exp over V words per row, the sum over B * T rows, and each gradient a
         # product over V words (hidden) or the rows (weight).
-        roundings, dtype = V + B * T + H, torch.float32
+        roundings, dtype = vocab + B * T + H, torch.float32
     for a, b in zip(fused, plain, strict=True):
         scale = max(1.0, b.abs().max().item())
         torch.testing.assert_close(a, b, **tolerance(roundings, dtype, scale))
 
 
-def test_torch_func_takes_the_same_gradients_as_autograd():
-    hidden, weight, labels = _inputs(1)
+@pytest.mark.parametrize("vocab", [V, KERNEL_V])
+def test_torch_func_takes_the_same_gradients_as_autograd(vocab):
+    hidden, weight, labels = _inputs(1, vocab)
     _, hidden_grad, weight_grad = _loss_and_grads(
         head_cross_entropy_sum, hidden, weight, labels, 0.1, False
     )
@@ -85,8 +95,9 @@ def test_torch_func_takes_the_same_gradients_as_autograd():
     assert torch.equal(grads[0], hidden_grad) and torch.equal(grads[1], weight_grad)
 
 
-def test_ignored_positions_add_nothing_and_take_no_gradient():
-    hidden, weight, labels = _inputs(2)
+@pytest.mark.parametrize("vocab", [V, KERNEL_V])
+def test_ignored_positions_add_nothing_and_take_no_gradient(vocab):
+    hidden, weight, labels = _inputs(2, vocab)
     labels[1] = IGNORE
     h = hidden.clone().requires_grad_()
     head_cross_entropy_sum(h, weight, labels).backward()
@@ -94,8 +105,50 @@ def test_ignored_positions_add_nothing_and_take_no_gradient():
     only_first = head_cross_entropy_sum(hidden[:1], weight, labels[:1])
     # the same terms, summed in chunks of other sizes
     torch.testing.assert_close(
-        head_cross_entropy_sum(hidden, weight, labels), only_first, **tolerance(B * T + V)
+        head_cross_entropy_sum(hidden, weight, labels), only_first, **tolerance(B * T + vocab)
     )
+
+
+@needs_kernels
+def test_the_kernel_runs_where_it_takes_the_logits(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        head_loss, "cross_entropy_grad_", lambda *a: calls.append(a) or cross_entropy_grad_(*a)
+    )
+    for vocab in (V, KERNEL_V):
+        head_cross_entropy_sum(*_inputs(vocab=vocab))
+    assert len(calls) == 5  # the five chunks of the vocabulary of 104, none of 100's
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_matches_float64_on_a_large_vocabulary(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 32000, generator=g) * 4).to(dtype)
+    labels = torch.tensor([7, IGNORE, 31999, 0, 12345])
+    exact = logits.double().requires_grad_()
+    loss = F.cross_entropy(exact, labels, ignore_index=IGNORE, label_smoothing=0.1, reduction="sum")
+    loss.backward()
+    grad = logits.clone()
+    got = cross_entropy_grad_(grad, labels, IGNORE, 0.1)
+    # each row's log-sum-exp and mean over 32,000 words in float32, then the rows' sum
+    torch.testing.assert_close(got.double(), loss.detach(), **tolerance(32000, torch.float32))
+    # the softmax's normaliser is a float32 sum of 32,000 terms; bfloat16 rounds once more at
+    # the end; gradients are about 1 / 32,000 (the floor smoothing subtracts is 0.1 of that)
+    roundings = 32000 if dtype == torch.float32 else 2
+    expected = exact.grad.to(dtype)
+    torch.testing.assert_close(grad, expected, **tolerance(roundings, dtype, scale=1 / 32000))
+    assert torch.count_nonzero(grad[1]) == 0
+
+
+@needs_kernels
+def test_the_kernel_says_nan_and_refuses_a_label_outside_the_vocabulary():
+    logits = torch.zeros(2, 16)
+    logits[1, 3] = float("nan")
+    assert cross_entropy_grad_(logits, torch.tensor([1, 2]), IGNORE, 0.0).isnan()
+    with pytest.raises(ValueError, match=r"outside \[0, 16\)"):
+        cross_entropy_grad_(torch.zeros(2, 16), torch.tensor([1, 16]), IGNORE, 0.0)
+    assert cross_entropy_grad_(torch.zeros(2, 12), torch.tensor([1, 2]), IGNORE, 0.0) is None
 
 
 def test_bad_input_is_refused_with_the_field_named():
