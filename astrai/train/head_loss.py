@@ -1,5 +1,5 @@
 """The lm_head and the next-token cross-entropy as one function that works through the rows
-in chunks, for eager training.
+in chunks, for training (eager steps, and the head of compiled ones).
 
 Unfused, a step of the benchmark's small model (8 x 256 tokens, 32,000 words) writes four
 [2048, 32000] float32 tensors (262 MB each: the logits, their log-softmax, the zero-filled
@@ -12,12 +12,16 @@ kept for the backward's two products.
 The maths is the unfused one: the logits are the head's product in the products' dtype (bf16
 under autocast), the softmax runs in float32 over them, and the gradient is rounded to the
 products' dtype before the backward products, as autograd does through `logits.float()`.
-Compiled steps keep the plain form, which inductor fuses itself (`fused_head_applies`).
+A head traced by torch.compile keeps the plain form, which inductor fuses itself
+(`fused_head_applies`); compiled training compiles the decoder layer only, so its head runs
+here. Where our C kernels are built, each chunk's loss and gradient is one call
+(astrai/kernels/cross_entropy.c) and the chunks are taller.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
@@ -113,7 +117,7 @@ def _operands(hidden, weight, dtype):
 def _loss_and_logit_grad(h, w, labels, smoothing):
     """(summed loss in float32, d loss / d logits [N, V] in h's dtype), chunk by chunk."""
     rows, vocab = h.shape[0], w.shape[0]
-    grad = torch.empty(rows, vocab, dtype=h.dtype, device=h.device)
+    grad = _gradient_buffer(rows, vocab, h.dtype, h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     in_kernel = kernel_takes(grad, labels)
     step = max(1, (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab)
@@ -128,6 +132,28 @@ def _loss_and_logit_grad(h, w, labels, smoothing):
         if logits is not rounded:
             rounded.copy_(logits)
     return total, grad
+
+
+# The last gradient buffer handed out, for the next call to reuse once nothing else holds it.
+# It is the step's largest tensor (131 MB for 2048 rows of 32,000 bf16 logits), above the 32
+# MiB that glibc's malloc keeps when freed, so each step would map and zero fresh pages for it:
+# 3-5% of a bf16 step of the benchmark's small model on a 2-core Intel Xeon. (Were it reused
+# too early, autograd's version counter would refuse the backward that read it.)
+_SPARE: list[torch.Tensor] = []
+_SPARE_LOCK = threading.Lock()
+
+
+def _gradient_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+    """An uninitialised [rows, vocab] tensor: the previous call's if its backward has run and
+    freed its graph (then only _SPARE refers to it), else a new one, kept as the spare."""
+    with _SPARE_LOCK:
+        for spare in _SPARE:
+            same = spare.shape == (rows, vocab) and spare.dtype == dtype
+            if same and spare.device == device and spare._use_count() == 1:
+                return spare
+        fresh = torch.empty(rows, vocab, dtype=dtype, device=device)
+        _SPARE[:] = [fresh]
+        return fresh
 
 
 def _chunk_loss_to_grad_(logits: torch.Tensor, labels: torch.Tensor, smoothing: float):

@@ -167,3 +167,25 @@ def test_heads_that_change_the_logits_keep_the_plain_path():
     assert fused_head_applies(ModelConfig(**base), weight)
     assert not fused_head_applies(ModelConfig(**base, final_logit_softcapping=30.0), weight)
     assert not fused_head_applies(ModelConfig(**base, logits_scaling=2.0), weight)
+
+
+@pytest.mark.parametrize("vocab", [V, KERNEL_V])
+def test_a_gradient_buffer_is_reused_only_once_its_graph_is_freed(vocab):
+    hidden, weight, labels = _inputs(4, vocab)
+    other = hidden.flip(0)  # other rows of the same shape: a second call's own gradients
+    expected = [
+        _loss_and_grads(head_cross_entropy_sum, x, weight, labels, 0.0, False)[1]
+        for x in (hidden, other)
+    ]
+    h1, h2 = hidden.clone().requires_grad_(), other.clone().requires_grad_()
+    first = head_cross_entropy_sum(h1, weight, labels)
+    second = head_cross_entropy_sum(h2, weight, labels)  # the first graph still holds its buffer
+    (first * SCALE).backward(retain_graph=True)
+    (second * SCALE).backward()
+    third = head_cross_entropy_sum(other.clone().requires_grad_(), weight, labels)
+    (first * SCALE).backward()  # the retained graph reads its buffer again, after a new call
+    assert torch.equal(h1.grad, 2 * expected[0]) and torch.equal(h2.grad, expected[1])
+    third.backward()
+    buffer = head_loss._SPARE[0].data_ptr()
+    head_cross_entropy_sum(h1, weight, labels).backward()  # all graphs freed: the same buffer
+    assert head_loss._SPARE[0].data_ptr() == buffer
