@@ -120,7 +120,8 @@ def _loss_and_logit_grad(h, w, labels, smoothing):
     grad = _gradient_buffer(rows, vocab, h.dtype, h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     in_kernel = kernel_takes(grad, labels)
-    step = max(1, (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab)
+    most = max(1, (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab)
+    step = -(-rows // -(-rows // most))  # even chunks: no short last one to read the head for
     for start in range(0, rows, step):
         part = slice(start, start + step)
         rounded = torch.mm(h[part], w.t(), out=grad[part])
