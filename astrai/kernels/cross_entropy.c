@@ -50,8 +50,10 @@ AVX2 static float loss_row(void *x, int bf16, size_t at, int64_t vocab, int64_t 
                  smoothing * (log_norm - total / (float)vocab);
     scratch[target] -= (1.0f - smoothing) * norm; /* minus (1 - eps) at the label, once scaled */
     __m256 inv = _mm256_set1_ps(1.0f / norm), floor_ = _mm256_set1_ps(smoothing / (float)vocab);
-    for (int64_t i = 0; i < vocab; i += 8)
-        store8(x, bf16, at + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(scratch + i), inv), floor_));
+    for (int64_t i = 0; i < vocab; i += 8) {
+        __m256 p = _mm256_mul_ps(_mm256_loadu_ps(scratch + i), inv);
+        store8(x, bf16, at + i, _mm256_sub_ps(p, floor_));
+    }
     return loss;
 }
 
