@@ -146,11 +146,14 @@ _SPARE_LOCK = threading.Lock()
 
 def _gradient_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
     """An uninitialised [rows, vocab] tensor: the previous call's if its backward has run and
-    freed its graph (then only _SPARE refers to it), else a new one, kept as the spare."""
+    freed its graph (then only _SPARE refers to it) and it was made in the same mode (an
+    inference tensor cannot be written outside inference mode), else a new one, kept as the
+    spare."""
+    inference = torch.is_inference_mode_enabled()
     with _SPARE_LOCK:
         for spare in _SPARE:
-            same = spare.shape == (rows, vocab) and spare.dtype == dtype
-            if same and spare.device == device and spare._use_count() == 1:
+            same = spare.shape == (rows, vocab) and spare.dtype == dtype and spare.device == device
+            if same and spare.is_inference() == inference and spare._use_count() == 1:
                 return spare
         fresh = torch.empty(rows, vocab, dtype=dtype, device=device)
         _SPARE[:] = [fresh]

@@ -189,3 +189,15 @@ def test_a_gradient_buffer_is_reused_only_once_its_graph_is_freed(vocab):
     buffer = head_loss._SPARE[0].data_ptr()
     head_cross_entropy_sum(h1, weight, labels).backward()  # all graphs freed: the same buffer
     assert head_loss._SPARE[0].data_ptr() == buffer
+
+
+def test_a_buffer_made_in_inference_mode_is_not_reused_for_training():
+    hidden, weight, labels = _inputs(5, KERNEL_V)
+    with torch.inference_mode():  # an evaluation's loss
+        evaluated = head_cross_entropy_sum(hidden, weight, labels)
+    h = hidden.clone().requires_grad_()
+    trained = head_cross_entropy_sum(h, weight, labels)
+    trained.backward()
+    assert torch.equal(trained.detach(), evaluated) and h.grad is not None
+    with torch.inference_mode():  # and a training buffer is not taken for an evaluation
+        assert torch.equal(head_cross_entropy_sum(hidden, weight, labels), evaluated)
