@@ -10,7 +10,8 @@ The price is memory: up to 1 GiB freed by the process stays with it, to be reuse
 32 MiB are still mapped and unmapped each time (glibc allows no higher threshold).
 
 prepare_params turns this on once the prepared weights are allocated, so that the weights get
-pages of their own rather than heap blocks between temporaries.
+pages of their own rather than heap blocks between temporaries; train_step turns it on before
+its first step (a training step's temporaries are the same sizes every step).
 """
 
 from __future__ import annotations

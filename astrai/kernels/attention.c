@@ -155,9 +155,11 @@ AVX2 static void rotate(const NewTokens *t, size_t at, const float *cos, const f
     else
         for (int i = 0; i < dim; i += 8) {
             __m256 x = load8(t->qkv, t->bf16, at + i);
-            if (cos)
-                x = _mm256_fmadd_ps(load8(t->qkv, t->bf16, at + (i + half) % dim),
-                                    _mm256_loadu_ps(sin + i), _mm256_mul_ps(x, _mm256_loadu_ps(cos + i)));
+            if (cos) {
+                __m256 rolled = load8(t->qkv, t->bf16, at + (i + half) % dim);
+                x = _mm256_fmadd_ps(rolled, _mm256_loadu_ps(sin + i),
+                                    _mm256_mul_ps(x, _mm256_loadu_ps(cos + i)));
+            }
             _mm256_storeu_ps(dst + i, x);
         }
     for (int i = 0; t->bf16 && i < dim; i += 8)

@@ -102,8 +102,8 @@ def decode_attention(
 
     qkv [B, 1, (heads + 2 Hkv) * D]: the fused projection, float32 or bfloat16 (the rotated
     values rounded to it, as torch's RoPE rounds them); k, v: one layer of the pool, [pages,
-    page_size, Hkv, D], written in place. RoPE, where given, spans whole heads. Returns [B, 1, heads * D]
-    in qkv's dtype."""
+    page_size, Hkv, D], written in place. RoPE, where given, spans whole heads. Returns
+    [B, 1, heads * D] in qkv's dtype."""
     B = qkv.shape[0]
     pages, page_size, kv_heads, D = k.shape
     if qkv.shape[1] != 1 or qkv.shape[-1] != (heads + 2 * kv_heads) * D:

@@ -20,6 +20,7 @@ here. Where our C kernels are built, each chunk's loss and gradient is one call
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 
@@ -121,7 +122,8 @@ def _loss_and_logit_grad(h, w, labels, smoothing):
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     in_kernel = kernel_takes(grad, labels)
     most = max(1, (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab)
-    step = -(-rows // -(-rows // most))  # even chunks: no short last one to read the head for
+    # chunks of even height: no short last one that reads the whole head for a few rows
+    step = math.ceil(rows / math.ceil(rows / most))
     for start in range(0, rows, step):
         part = slice(start, start + step)
         rounded = torch.mm(h[part], w.t(), out=grad[part])
