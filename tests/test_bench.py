@@ -74,6 +74,9 @@ def test_quick_run_measures_every_section(tmp_path, capsys):
             assert row["ratio"] > 0 and row["reference"] > 0, row
     # the Engine and the hand-written loop run the same code: the same greedy tokens
     assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
+    # each training worker starts from the same weights and batch: the same first loss
+    first = results["train_first_loss_eager"]
+    assert results["train_first_loss_transformers"] == pytest.approx(first, rel=1e-4)
     # every ratio of two engines shows its agreement, and in float32 compares like things
     engines = [r for r in results["rows"] if "ratio" in r and r["section"] != "train"]
     assert {r["section"] for r in engines} == sections - {"limit", "train", "window"}

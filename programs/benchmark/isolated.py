@@ -32,26 +32,31 @@ def _answer(process: subprocess.Popen) -> dict:
 
 
 class SideProcess:
-    """A side worker's pipe: `generate(prompts, n)` -> its greedy completions; `counts`, the
-    engine's cumulative speculative counts after the last call."""
+    """A worker's pipe: `ask(request)` -> its answer, one JSON line each way; for a side
+    worker, `generate(prompts, n)` -> its greedy completions, and `counts`, the engine's
+    cumulative speculative counts after the last call."""
 
     def __init__(self, process: subprocess.Popen, facts: dict):
         self.process, self.facts, self.counts = process, facts, {}
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        request = {"prompts": prompts, "new_tokens": new_tokens}
+    def ask(self, request: dict) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        answer = _answer(self.process)
+        return _answer(self.process)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        answer = self.ask({"prompts": prompts, "new_tokens": new_tokens})
         self.counts = answer.get("counts", {})
         return answer["tokens"]
 
 
 @contextlib.contextmanager
-def side_process(spec: dict, threads: int | None) -> Iterator[SideProcess]:
-    """programs/benchmark/side_worker.py for spec (its docstring lists the keys), started and
-    ready; stopped on exit."""
-    command = [sys.executable, str(PROGRAMS / "benchmark" / "side_worker.py"), json.dumps(spec)]
+def side_process(
+    spec: dict, threads: int | None, worker: str = "side_worker.py"
+) -> Iterator[SideProcess]:
+    """programs/benchmark/WORKER for spec (its docstring lists the keys), started and ready;
+    stopped on exit."""
+    command = [sys.executable, str(PROGRAMS / "benchmark" / worker), json.dumps(spec)]
     process = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(threads)
     )
@@ -63,11 +68,14 @@ def side_process(spec: dict, threads: int | None) -> Iterator[SideProcess]:
 
 
 @contextlib.contextmanager
-def side_processes(specs: dict[str, dict], threads: int | None) -> Iterator[dict]:
+def side_processes(
+    specs: dict[str, dict], threads: int | None, worker: str = "side_worker.py"
+) -> Iterator[dict]:
     """{name: SideProcess} for {name: spec}, each in a process of its own."""
     with contextlib.ExitStack() as stack:
         yield {
-            name: stack.enter_context(side_process(spec, threads)) for name, spec in specs.items()
+            name: stack.enter_context(side_process(spec, threads, worker))
+            for name, spec in specs.items()
         }
 
 

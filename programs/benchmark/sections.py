@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import combinations, zip_longest
+from itertools import combinations, product, zip_longest
 from pathlib import Path
 
 import torch
@@ -499,59 +499,33 @@ def prefill(b: Bench) -> None:
 def train(b: Bench) -> None:
     """batch x length tokens per optimizer step (AdamW, clip 1.0) from the same weights, in
     float32 and in bf16 mixed precision (bf16 compute under autocast, float32 weights and
-    optimizer state) on both sides; each side trains its own copy."""
-    import astrai
-
+    optimizer state) on both sides; each stepper trains its own copy in a process of its own
+    (benchmark/train_worker.py), and a row's two sides alternate rounds with no other worker
+    alive: on a VM, a third process holding gigabytes made transformers' steps, which fault
+    in fresh pages, up to 2x slower and erratic (docs/benchmarks.md)."""
     batch, length = b.work.train
-    steps = b.work.train_steps
-    g = torch.Generator().manual_seed(4)
-    batches = [
-        {"input_ids": torch.randint(0, b.cfg.vocab_size, (batch, length), generator=g).to(b.device)}
-        for _ in range(b.work.rounds + 1)
-    ]
-
-    def fresh():
-        return astrai.load_pretrained(b.folder, dtype=torch.float32, device=b.device)[0]
-
-    steppers = {}
-    precisions = [("", "float32"), ("_bf16", "bfloat16")]
+    precisions = {"": "float32", "_bf16": "bfloat16"}
     if why := bf16_skip_reason(b.device):  # emulated bf16 training ran for more than 20 minutes
         b.skip("train", "train_step bf16 (ours and transformers)", why)
-        precisions = precisions[:1]
-    for suffix, precision in precisions:
-        steppers["eager" + suffix] = ours.train_step_fn(
-            fresh(), b.cfg, b.work, False, TRAIN_HYPER, precision
-        )
-        if b.work.compile_train:
-            _quiet_compiler()
-            steppers["compiled" + suffix] = ours.train_step_fn(
-                fresh(), b.cfg, b.work, True, TRAIN_HYPER, precision
-            )
-        if b.reference is not None:
-            bf16 = precision == "bfloat16"
-            model = reference.load_reference(b.folder, torch.float32, b.device)
-            steppers["transformers" + suffix] = reference.train_step_fn(
-                model, **TRAIN_HYPER, bf16=bf16
-            )
-            if b.work.compile_train:  # torch.compile on LlamaForCausalLM, its own copy
-                model = reference.load_reference(b.folder, torch.float32, b.device)
-                steppers["transformers_compiled" + suffix] = reference.train_step_fn(
-                    torch.compile(model), **TRAIN_HYPER, bf16=bf16
-                )
+        del precisions["_bf16"]
+    modes = ("eager", "compiled") if b.work.compile_train else ("eager",)
     if not b.work.compile_train:
         b.note("train: compiled train_step skipped (compiling takes minutes; runs without --quick)")
-    for name, step in steppers.items():  # the warm-up, and for torch.compile the compiling
-        seconds = timed(lambda step=step: step(batches[0]), b.device)[0]
-        b.extra[f"train_first_step_s_{name}"] = seconds
-        b.log(f"train: first {name} step took {seconds:.1f} s")
-        if name == "compiled":
-            _note_graph_breaks(b)
-
-    def run_steps(step):
-        return lambda x: [step(x) for _ in range(steps)]
-
-    calls = {name: run_steps(step) for name, step in steppers.items()}
-    rates = b.measure(calls, batches, steps * batch * length, warm_up=False)
+    rates: dict[str, list[float]] = {}
+    for mode, (suffix, precision) in product(modes, precisions.items()):
+        spec = {
+            "compile": mode == "compiled",
+            "precision": precision,
+            "folder": str(b.folder),
+            "device": str(b.device),
+            "workload": dataclasses.asdict(b.work),
+            "hyper": TRAIN_HYPER,
+        }
+        pair = {mode + suffix: {**spec, "side": "ours"}}
+        if b.reference is not None:
+            name = "transformers" + ("_compiled" if mode == "compiled" else "") + suffix
+            pair[name] = {**spec, "side": "transformers"}
+        rates |= _train_rates(b, pair)
     pairs = [
         ("eager", "transformers", f"train_step eager, {batch} x {length}"),
         ("compiled", "transformers_compiled", f"train_step compiled, {batch} x {length}"),
@@ -566,6 +540,34 @@ def train(b: Bench) -> None:
     targets = {"eager": 1.2, "compiled": 1.2, "eager_bf16": 1.2, "compiled_bf16": 1.2}
     _reference_rows(b, "train", rates, pairs, "tok/s", targets)
     _train_precision_rows(b, rates, length)
+
+
+def _train_rates(b: Bench, specs: dict[str, dict]) -> dict[str, list[float]]:
+    """{name: [tokens/s per round]} of the steppers, each in a worker, in alternating rounds
+    timed by the workers; the first step (for torch.compile, the compiling) is taken as each
+    worker starts."""
+    from .isolated import side_processes
+
+    batch, length = b.work.train
+    steps = b.work.train_steps
+    with side_processes(specs, torch.get_num_threads(), "train_worker.py") as workers:
+        for name, worker in workers.items():
+            facts = worker.facts
+            b.extra[f"train_first_step_s_{name}"] = facts["first_step_s"]
+            b.extra[f"train_first_loss_{name}"] = facts["first_loss"]
+            b.log(
+                f"train: first {name} step took {facts['first_step_s']:.1f} s, "
+                f"loss {facts['first_loss']:.4f}"
+            )
+            if breaks := facts["graph_breaks"]:
+                reasons = "; ".join(sorted(breaks)[:3])
+                b.note(f"train: {name} has {sum(breaks.values())} graph break(s): {reasons}")
+        tokens = steps * batch * length
+
+        def rate(worker) -> Callable[[int], float]:  # batch 0 was the first step's
+            return lambda r: tokens / worker.ask({"batch": r + 1})["seconds"]
+
+        return interleave({name: rate(w) for name, w in workers.items()}, b.work.rounds)
 
 
 def _train_precision_rows(b: Bench, rates: dict[str, list[float]], length: int) -> None:
@@ -602,23 +604,6 @@ def _train_precision_rows(b: Bench, rates: dict[str, list[float]], length: int) 
         side = side if side.startswith("transformers") else f"ours {side}"
         label = f"{side} {'bf16' if bf16 else 'float32'}, MFU of the {'bf16' if bf16 else 'float32'} matmul peak"
         b.rows.append(figure("train", label, "%", share, None))
-
-
-def _quiet_compiler() -> None:
-    """Graph breaks are counted and noted instead of printed as long tracebacks."""
-    import logging
-
-    torch._dynamo.utils.counters.clear()
-    torch._logging.set_logs(dynamo=logging.ERROR)
-
-
-def _note_graph_breaks(b: Bench) -> None:
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    if breaks:
-        reasons = "; ".join(sorted(breaks)[:3])
-        b.note(
-            f"train: the compiled train_step has {sum(breaks.values())} graph break(s): {reasons}"
-        )
 
 
 def structured(b: Bench) -> None:
