@@ -491,9 +491,11 @@ def test_roofline_fraction_is_streamed_bytes_over_the_bandwidth():
 
     assert roofline_fraction(10.0, 2e9, 40.0) == pytest.approx(0.5)
     row = {"ours": 10.0, "reference": 30.0, "bytes_per_token": [2e9, 1e9]}
-    assert roofline_columns(row, 40.0) == pytest.approx([0.5, 0.75])
+    assert roofline_columns(row, lambda n: 40.0) == pytest.approx([0.5, 0.75])
+    # each side over the bandwidth of a working set its own size: a smaller one may be cached
+    assert roofline_columns(row, lambda n: 60.0 if n < 1.5e9 else 40.0) == pytest.approx([0.5, 0.5])
     alone = {"ours": None, "reference": 30.0, "bytes_per_token": [None, 1e9]}
-    assert roofline_columns(alone, 40.0) == [None, pytest.approx(0.75)]
+    assert roofline_columns(alone, lambda n: 40.0) == [None, pytest.approx(0.75)]
     from benchmark.report import roofline_text
 
     assert roofline_text([0.5, None]) == "50% / -" and roofline_text(None) == "-"
