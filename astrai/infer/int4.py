@@ -11,6 +11,14 @@ of two products:
 Which group size multiplies fastest depends on the CPU and the shape, so prepare_params times
 each that divides the shape (and each product that runs here, astrai/infer/support.py) at load
 and keeps the fastest. docs/inference.md says why no other product is offered.
+
+Past some number of rows (a prompt's), a matrix multiplied by "gemv" takes another road
+(`split`): the weights dequantized from the kernel's packing, a slice of outputs at a time, and
+torch's dense product in the activations' dtype. gemv streams the weights once but multiplies
+each row apart; at 2,048 rows of the 0.5B shapes it ran 117-134 GFLOP/s on a 2-core Intel
+Xeon, where dequantizing (2-12 ms a matrix) and torch's float32 product ran 307-390 and the
+bfloat16 one (AMX) 1,100-1,400: the road multiplies in bfloat16 where that is native
+(`dense_dtype`). prepare_params measures where the road pays.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.hardware import native_bf16
+from astrai.infer.quant import by_rows
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 
@@ -44,6 +54,12 @@ class Int4Matrix:
     group: int
     kernel: str  # one of KERNELS
     run: Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out], the chosen product
+    split: int | None = None  # gemv: inputs of more rows than this multiply dequantized
+
+    @property
+    def product(self) -> str:
+        name = f"int4 {self.kernel}/{self.group}"
+        return name if self.split is None else f"{name} up to {self.split} rows, then dense"
 
     @property
     def shape(self) -> torch.Size:
@@ -115,17 +131,63 @@ def _gemv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
 
 
 BUILDERS = {"weight_only": _weight_only, "gemv": _gemv}
+DENSE_CHUNK = 1 << 22  # weights dequantized at a time: 16 MB in float32, held in L2 or L3
 
 
-def int4_matrix(w: torch.Tensor, kernel: str, group: int) -> Int4Matrix:
-    """w [out, in] in 4 bits, groups of `group` inputs, multiplied by `kernel`'s product."""
+def unpack_gemv(nibbles: torch.Tensor, tiles: slice, in_features: int) -> torch.Tensor:
+    """The levels q (uint8 [rows, in]) of the kernel's tiles `tiles` (gemv.pack_int4's layout,
+    TILE weight rows a tile), undone: byte j of a PAIR holds input j low and 32 + j high."""
+    part = nibbles[tiles]
+    tiles_, pairs, tile, block = part.shape
+    levels = torch.stack([part & 15, part >> 4], 3)  # [tiles, pairs, TILE, 2, 32]
+    return levels.transpose(1, 2).reshape(tiles_ * tile, pairs * 2 * block)[:, :in_features]
+
+
+def dense_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the dense road multiplies `dtype` activations in: bfloat16 for float32 ones
+    where the CPU multiplies it natively (4x float32's rate with AMX). Rounding activations
+    and dequantized weights to bfloat16 (2^-9 of each) stays within what the 4-bit levels and
+    gemv's int8 activation levels already round off."""
+    if dtype == torch.float32 and native_bf16(device):
+        return torch.bfloat16
+    return dtype
+
+
+def _dense(nibbles, scale, zero, group, shape) -> Callable:
+    """x @ W.T through W dequantized, DENSE_CHUNK weights at a time, in float32 (exactly
+    `dequantize`'s values) and then in dense_dtype, by torch's product."""
+    out_features, in_features = shape
+    tile = nibbles.shape[2]
+    step = max(1, DENSE_CHUNK // (tile * in_features))  # tiles a chunk
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        dtype = dense_dtype(x.dtype, x.device)
+        rows_in = x.to(dtype)
+        pieces = []
+        for first in range(0, nibbles.shape[0], step):
+            rows = slice(first * tile, min((first + step) * tile, out_features))
+            q = unpack_gemv(nibbles, slice(first, first + step), in_features)
+            w = dequantize(q[: rows.stop - rows.start], scale[rows], zero[rows]).to(dtype)
+            pieces.append(rows_in @ w.T)
+        return torch.cat(pieces, -1)
+
+    return run
+
+
+def int4_matrix(w: torch.Tensor, kernel: str, group: int, split: int | None = None) -> Int4Matrix:
+    """w [out, in] in 4 bits, groups of `group` inputs, multiplied by `kernel`'s product; with
+    split (gemv only), inputs of more rows than that dequantized and by torch's product."""
     if kernel not in BUILDERS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; one of {', '.join(KERNELS)}")
     if group not in GROUPS:
         raise ValueError(f"int4 group must be one of {GROUPS}, got {group}")
+    if split is not None and kernel != "gemv":
+        raise ValueError(f"only the gemv int4 product splits by rows, not {kernel!r}")
     q, scale, zero = quantize_groups(w, group)
     packed, run = BUILDERS[kernel](q, scale, zero, group)
-    return Int4Matrix(packed, scale, zero, group, kernel, run)
+    if split is not None:
+        run = by_rows(run, _dense(packed, scale, zero, group, tuple(w.shape)), split)
+    return Int4Matrix(packed, scale, zero, group, kernel, run, split)
 
 
 def groups_for(in_features: int) -> list[int]:

@@ -28,6 +28,8 @@ EMBED_KEY = "model.embed_tokens.weight"
 QUANTIZE = ("int8", "int4")
 SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
 TUNE_ROWS = (1, 16)  # batch sizes the choices are timed at: one stream, and a busy server
+DENSE_ROWS = (64, 256, 1024)  # int4: the prompt-sized inputs the dense road is timed at
+DENSE_SAMPLE = 4096  # output rows it is timed on at most
 SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fastest_int8)
 
 
@@ -166,11 +168,41 @@ def _fastest_int4(
 
 def fastest_int4(
     out_features: int, in_features: int, device: torch.device, copies: int = 1
-) -> tuple[str, int]:
-    """(kernel, group size): the 4-bit product fastest for `copies` [out, in] matrices streamed
-    one after the other here (cached)."""
+) -> tuple[str, int, int | None]:
+    """(kernel, group size, split): the 4-bit product fastest for `copies` [out, in] matrices
+    streamed one after the other here, and for gemv the rows past which the dense road pays
+    (_int4_split; both cached)."""
     threads = torch.get_num_threads()
-    return _fastest_int4(out_features, in_features, str(device), copies, threads)
+    kernel, group = _fastest_int4(out_features, in_features, str(device), copies, threads)
+    if kernel != "gemv":
+        return kernel, group, None
+    return kernel, group, _int4_split(out_features, in_features, str(device), group, threads)
+
+
+@functools.cache
+def _int4_split(
+    out_features: int, in_features: int, device: str, group: int, threads: int
+) -> int | None:
+    """The rows up to which gemv stays faster than int4's dense road (dequantized weights and
+    torch's product in float32), from DENSE_ROWS: the count before the first at which the
+    dense road wins, None where it never does. Timed on at most DENSE_SAMPLE output rows: both
+    take the same time per output at these row counts, and the head has 150,000 of them."""
+    w = torch.randn(min(out_features, DENSE_SAMPLE), in_features, device=device)
+    few = int4.int4_matrix(w, "gemv", group)
+    many = int4.int4_matrix(w, "gemv", group, split=0)  # every input the dense road
+    before = TUNE_ROWS[-1]
+    for rows in DENSE_ROWS:
+        x = torch.randn(rows, in_features, device=device)
+        runs = {"gemv": [few.run], "dense": [many.run]}
+        timings = _best_of_rounds(runs, functools.partial(_pass, x=x))
+        log.info(
+            "int4 %dx%d/%d at %d rows: gemv %.3f ms, dense %.3f ms",
+            out_features, in_features, group, rows, timings["gemv"] * 1e3, timings["dense"] * 1e3,
+        )  # fmt: skip
+        if timings["dense"] < timings["gemv"]:
+            return before
+        before = rows
+    return None
 
 
 def _copies(matrices: list[torch.Tensor], bits: int) -> Counter:
@@ -290,12 +322,10 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
 def kernels_used(params: Params) -> dict[str, int]:
     """How many matrices of prepared params run each product: an Int8Matrix's product (its
     kernel, or "A up to N rows, then B"), a PackedMatrix's kernel, "int4 KERNEL/GROUP" for an
-    Int4Matrix, "float" for a plain tensor."""
+    Int4Matrix (and "up to N rows, then dense" where it splits), "float" for a plain tensor."""
     counts: Counter[str] = Counter()
     for key, w in params.items():
-        if isinstance(w, int4.Int4Matrix):
-            counts[f"int4 {w.kernel}/{w.group}"] += 1
-        elif isinstance(w, Int8Matrix):
+        if isinstance(w, (int4.Int4Matrix, Int8Matrix)):
             counts[w.product] += 1
         elif not isinstance(w, torch.Tensor):
             counts[w.kernel] += 1

@@ -122,10 +122,12 @@ def int8_matrix(w: torch.Tensor, kernel: str, split: tuple[int, str] | None = No
     if split is None:
         return Int8Matrix(q, scale, kernel, run)
     rows, other = split
-    return Int8Matrix(q, scale, kernel, _by_rows(run, BUILDERS[other](q, scale), rows), split)
+    return Int8Matrix(q, scale, kernel, by_rows(run, BUILDERS[other](q, scale), rows), split)
 
 
-def _by_rows(few: Callable, many: Callable, rows: int) -> Callable:
+def by_rows(few: Callable, many: Callable, rows: int) -> Callable:
+    """x -> few(x) for inputs of up to `rows` rows, many(x) beyond."""
+
     def run(x: torch.Tensor) -> torch.Tensor:
         return few(x) if x.numel() <= rows * x.shape[-1] else many(x)
 

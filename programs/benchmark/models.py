@@ -123,6 +123,11 @@ class Workload:
     window: tuple[int, int] = (8192, 4096)  # tokens, window of the window-only model (Mistral's)
 
 
+def workload_of(fields: dict) -> Workload:
+    """The Workload whose fields a worker received as JSON (its tuples arrive as lists)."""
+    return Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
 FULL = Workload()
 QUICK = Workload(
     new_tokens=32,

@@ -24,7 +24,7 @@ import torch
 import astrai
 from astrai.model import model_config_from_json
 from benchmark import ours, reference
-from benchmark.models import Workload, bench_tokenizer
+from benchmark.models import bench_tokenizer, workload_of
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 
@@ -42,8 +42,7 @@ def load_side(spec: dict) -> tuple[Generate, dict]:
         return lambda prompts, n: [ours.greedy_decode(prepared, cfg, p, n) for p in prompts], {}
     if side == "engine":
         cfg = model_config_from_json(folder / "config.json")
-        work = Workload(**{k: tuple(v) if isinstance(v, list) else v
-                           for k, v in spec["workload"].items()})  # fmt: skip
+        work = workload_of(spec["workload"])
         # the weights are read on the engine's thread, as Engine.from_pretrained does
         load = lambda: astrai.load_pretrained(folder, dtype=dtype, device=device)[0]  # noqa: E731
         tokenizer = bench_tokenizer(cfg.vocab_size)

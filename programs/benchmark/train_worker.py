@@ -30,7 +30,7 @@ import torch
 
 import astrai
 from benchmark import ours, reference
-from benchmark.models import Workload, has_transformers
+from benchmark.models import Workload, has_transformers, workload_of
 from benchmark.timing import timed
 
 Step = Callable[[dict], float]
@@ -69,8 +69,7 @@ def load_stepper(spec: dict, work: Workload) -> tuple[Step, int]:
 
 def main(spec_json: str) -> None:
     spec = json.loads(spec_json)
-    work = Workload(**{k: tuple(v) if isinstance(v, list) else v
-                       for k, v in spec["workload"].items()})  # fmt: skip
+    work = workload_of(spec["workload"])
     step, vocab = load_stepper(spec, work)
     device = torch.device(spec["device"])
     batches = train_batches(vocab, work, device)

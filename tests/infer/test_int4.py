@@ -16,12 +16,15 @@ from astrai.infer.int4 import (
     BUILDERS,
     GROUPS,
     KERNELS,
+    dense_dtype,
     dequantize,
     groups_for,
     int4_matrix,
     quantize_groups,
+    unpack_gemv,
 )
 from astrai.infer.support import products_here
+from astrai.kernels import gemv
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 BF16_UNIT = torch.finfo(torch.bfloat16).eps / 2  # a bf16 rounding's largest relative error
@@ -130,6 +133,83 @@ def test_groups_off_by_ten_percent_are_outside_the_bound(kernel, group, factor):
     _, run = BUILDERS[kernel](q, scale * factor, zero * factor, group)
     wrong = Int4Matrix(None, scale * factor, zero * factor, group, kernel, run)
     assert bool(((wrong.linear(x) - x @ w.T).abs() > error_bound(x, w, group, kernel)).any())
+
+
+@pytest.mark.parametrize("shape", [(40, 256), (41, 96), (3, 64)])
+def test_the_gemv_packing_unpacks_to_the_levels(shape):
+    q, scale, zero = quantize_groups(torch.randn(*shape), 32)
+    nibbles, _, _ = gemv.pack_int4(q, scale, zero, 32)
+    assert torch.equal(unpack_gemv(nibbles, slice(None), shape[1])[: shape[0]], q)
+    assert torch.equal(unpack_gemv(nibbles, slice(2, 5), shape[1])[:3], q[8:11])
+
+
+def dense_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|x @ w.T| off by the dense road's roundings: x and w to its dtype (a unit each), a
+    float32 sum in any order, the result to its dtype and to x's."""
+    unit = torch.finfo(dense_dtype(x.dtype, x.device)).eps / 2
+    terms = x.abs().double() @ w.abs().double().T
+    return (4 * unit + (w.shape[1] + 2) * FLOAT32_EPS) * terms + torch.finfo(x.dtype).tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1 << 22, 64 * 4])  # one slice of outputs, or one tile each
+def test_the_dense_road_multiplies_the_dequantized_weights(dtype, chunk, monkeypatch):
+    skip_unless_here("gemv", (41, 96))
+    monkeypatch.setattr("astrai.infer.int4.DENSE_CHUNK", chunk)
+    x, w = operands("signed", 70, out_features=41, in_features=96)
+    x = x.to(dtype)
+    dense = int4_matrix(w, "gemv", 32, split=0)
+    assert dense.product == "int4 gemv/32 up to 0 rows, then dense"
+    weights = dequantize(*quantize_groups(w, 32))
+    expected = x.double() @ weights.double().T
+    y = dense.linear(x)
+    assert y.shape == (70, 3, 41) and y.dtype == dtype
+    assert bool(((y.double() - expected).abs() <= dense_bound(x, weights)).all())
+
+
+def test_a_split_matrix_takes_gemv_up_to_its_rows_and_the_dense_road_beyond():
+    skip_unless_here("gemv", (40, 256))
+    x, w = operands("signed", 4)
+    split, few, many = (int4_matrix(w, "gemv", 32, s) for s in (6, None, 0))
+    rows = x.flatten(0, 1)  # 12 rows
+    assert torch.equal(split.linear(rows[:6]), few.linear(rows[:6]))
+    assert torch.equal(split.linear(rows[:7]), many.linear(rows[:7]))
+    with pytest.raises(ValueError, match="only the gemv int4 product splits"):
+        int4_matrix(w, "weight_only", 32, 6)
+
+
+@torch.inference_mode()
+def greedy_loop(params, cfg, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by a paged prefill of the prompt and one decode step a token."""
+    pool = ai.init_pages(cfg, 8, 4, torch.float32)
+    pool, pages = ai.alloc_pages(pool, 8)
+    table = torch.tensor([pages])
+    logits, pool = ai.prefill(params, cfg, pool, torch.tensor([prompt]), table, 0)
+    tokens = [int(logits.argmax(-1))]
+    for position in range(len(prompt), len(prompt) + n - 1):
+        step = ai.decode_step(
+            params, cfg, pool, torch.tensor(tokens[-1:]), torch.tensor([position]), table
+        )
+        logits, pool = step
+        tokens.append(int(logits.argmax(-1)))
+    return tokens
+
+
+def test_engine_prompts_on_the_dense_road_match_a_prefill_and_decode_loop(monkeypatch):
+    # a prompt of more than 2 rows takes the dense road, a decode step gemv; each rounds its
+    # own way (gemv its activations to int8), so the reference takes the same roads: a prefill
+    # and decode steps rather than recomputation of every prefix, one request at a time (a
+    # step that carries one request's token beside another's prompt is a dense one)
+    skip_unless_here("gemv")
+    monkeypatch.setattr(prepare, "fastest_int4", lambda *shape: ("gemv", 32, 2))
+    params, cfg = make_model("gqa")
+    reference = prepare_params(params, quantize="int4")
+    assert set(kernels_used(reference)) == {"int4 gemv/32 up to 2 rows, then dense"}
+    prompts = [[5, 17, 42, 8], [100, 3, 250, 77, 9, 11]]
+    with Engine(params, cfg, None, quantize="int4", page_size=4, max_batch=4) as e:
+        for prompt in prompts:
+            (out,) = e.generate([prompt], max_tokens=12, temperature=0.0, ignore_eos=True)
+            assert out.token_ids == greedy_loop(reference, cfg, prompt, 12)
 
 
 def test_prepare_quantizes_the_matrices_but_not_the_embedding_or_norms():
