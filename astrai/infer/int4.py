@@ -14,7 +14,7 @@ and keeps the fastest. docs/inference.md says why no other product is offered.
 
 Past some number of rows (a prompt's), a matrix multiplied by "gemv" takes another road
 (`split`): the weights dequantized from the kernel's packing, a slice of outputs at a time, and
-torch's dense product in the activations' dtype. gemv streams the weights once but multiplies
+torch's dense product. gemv streams the weights once but multiplies
 each row apart; at 2,048 rows of the 0.5B shapes it ran 117-134 GFLOP/s on a 2-core Intel
 Xeon, where dequantizing (2-12 ms a matrix) and torch's float32 product ran 307-390 and the
 bfloat16 one (AMX) 1,100-1,400: the road multiplies in bfloat16 where that is native
@@ -153,7 +153,7 @@ def dense_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _dense(nibbles, scale, zero, group, shape) -> Callable:
+def _dense(nibbles, scale, zero, shape) -> Callable:
     """x @ W.T through W dequantized, DENSE_CHUNK weights at a time, in float32 (exactly
     `dequantize`'s values) and then in dense_dtype, by torch's product."""
     out_features, in_features = shape
@@ -186,7 +186,7 @@ def int4_matrix(w: torch.Tensor, kernel: str, group: int, split: int | None = No
     q, scale, zero = quantize_groups(w, group)
     packed, run = BUILDERS[kernel](q, scale, zero, group)
     if split is not None:
-        run = by_rows(run, _dense(packed, scale, zero, group, tuple(w.shape)), split)
+        run = by_rows(run, _dense(packed, scale, zero, tuple(w.shape)), split)
     return Int4Matrix(packed, scale, zero, group, kernel, run, split)
 
 

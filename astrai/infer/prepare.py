@@ -184,7 +184,7 @@ def _int4_split(
     out_features: int, in_features: int, device: str, group: int, threads: int
 ) -> int | None:
     """The rows up to which gemv stays faster than int4's dense road (dequantized weights and
-    torch's product in float32), from DENSE_ROWS: the count before the first at which the
+    torch's product) for float32 inputs, from DENSE_ROWS: the count before the first at which the
     dense road wins, None where it never does. Timed on at most DENSE_SAMPLE output rows: both
     take the same time per output at these row counts, and the head has 150,000 of them."""
     w = torch.randn(min(out_features, DENSE_SAMPLE), in_features, device=device)
