@@ -1,6 +1,7 @@
 """What users run, each in a process of its own: the Engine, the bare prefill + decode_step loop
-and transformers' generate in side workers (programs/benchmark/side_worker.py), and a real
-`just serve` process (programs/serve.py) with streaming clients in the benchmark's process.
+and transformers' generate in side workers (programs/benchmark/side_worker.py), each training
+stepper in a train worker (programs/benchmark/train_worker.py), and a real `just serve`
+process (programs/serve.py) with streaming clients in the benchmark's process.
 None shares a process with another, so none pays for another thread's OpenMP team (see
 docs/inference.md, "One compute thread"), and none of them with the benchmark's own work."""
 
