@@ -23,6 +23,7 @@ bfloat16 one (AMX) 1,100-1,400: the road multiplies in bfloat16 where that is na
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,6 +144,7 @@ def unpack_gemv(nibbles: torch.Tensor, tiles: slice, in_features: int) -> torch.
     return levels.transpose(1, 2).reshape(tiles_ * tile, pairs * 2 * block)[:, :in_features]
 
 
+@functools.cache  # asked on every dense call; the answer is the process's
 def dense_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the dense road multiplies `dtype` activations in: bfloat16 for float32 ones
     where the CPU multiplies it natively (4x float32's rate with AMX). Rounding activations

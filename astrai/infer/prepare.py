@@ -190,10 +190,10 @@ def _int4_split(
     w = torch.randn(min(out_features, DENSE_SAMPLE), in_features, device=device)
     few = int4.int4_matrix(w, "gemv", group)
     many = int4.int4_matrix(w, "gemv", group, split=0)  # every input the dense road
+    runs = {"gemv": [few.run], "dense": [many.run]}
     before = TUNE_ROWS[-1]
     for rows in DENSE_ROWS:
         x = torch.randn(rows, in_features, device=device)
-        runs = {"gemv": [few.run], "dense": [many.run]}
         timings = _best_of_rounds(runs, functools.partial(_pass, x=x))
         log.info(
             "int4 %dx%d/%d at %d rows: gemv %.3f ms, dense %.3f ms",

@@ -60,3 +60,18 @@ def greedy_reference(params, cfg, prompt: list[int], n: int) -> list[int]:
         logits = ai.forward(params, cfg, torch.tensor([tokens]))
         tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt) :]
+
+
+@torch.inference_mode()
+def greedy_loop(params, cfg, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by a paged prefill of the prompt and one decode step a token (page size
+    4, room for 32 tokens)."""
+    pool, pages = ai.alloc_pages(ai.init_pages(cfg, 8, 4, torch.float32), 8)
+    table = torch.tensor([pages])
+    logits, pool = ai.prefill(params, cfg, pool, torch.tensor([prompt]), table, 0)
+    tokens = [int(logits.argmax(-1))]
+    for position in range(len(prompt), len(prompt) + n - 1):
+        token, at = torch.tensor(tokens[-1:]), torch.tensor([position])
+        logits, pool = ai.decode_step(params, cfg, pool, token, at, table)
+        tokens.append(int(logits.argmax(-1)))
+    return tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from infer_models import BASE, greedy_reference, make_model
+from infer_models import BASE, greedy_loop, greedy_reference, make_model
 from numerics import int8_block_half_steps
 from test_int8 import markov_text, perplexity, trained  # noqa: F401 (a fixture)
 
@@ -176,23 +176,6 @@ def test_a_split_matrix_takes_gemv_up_to_its_rows_and_the_dense_road_beyond():
     assert torch.equal(split.linear(rows[:7]), many.linear(rows[:7]))
     with pytest.raises(ValueError, match="only the gemv int4 product splits"):
         int4_matrix(w, "weight_only", 32, 6)
-
-
-@torch.inference_mode()
-def greedy_loop(params, cfg, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens by a paged prefill of the prompt and one decode step a token."""
-    pool = ai.init_pages(cfg, 8, 4, torch.float32)
-    pool, pages = ai.alloc_pages(pool, 8)
-    table = torch.tensor([pages])
-    logits, pool = ai.prefill(params, cfg, pool, torch.tensor([prompt]), table, 0)
-    tokens = [int(logits.argmax(-1))]
-    for position in range(len(prompt), len(prompt) + n - 1):
-        step = ai.decode_step(
-            params, cfg, pool, torch.tensor(tokens[-1:]), torch.tensor([position]), table
-        )
-        logits, pool = step
-        tokens.append(int(logits.argmax(-1)))
-    return tokens
 
 
 def test_engine_prompts_on_the_dense_road_match_a_prefill_and_decode_loop(monkeypatch):
