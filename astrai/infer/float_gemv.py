@@ -8,6 +8,7 @@ Whether it beats the other layouts on the running machine is measured at load
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,12 +18,19 @@ import torch.nn.functional as F
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 
-# Rows up to which the kernel runs: it streams the weights once for any number of rows. In
-# float32 it still matched oneDNN's packed layout at 16 rows on a 2-core Intel Xeon; in
-# bfloat16 torch's products (oneDNN, on AMX there) were 2-3x faster than ours at 16 rows,
-# level at 4. Longer inputs (prompt chunks), where arithmetic, not reading the weights, is the
-# cost, go to torch's product on the same tensor.
-KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+
+@functools.cache
+def kernel_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the kernel runs: it streams the weights once for any number of rows.
+    In float32 it still matched oneDNN's packed layout at 16 rows on a 2-core Intel Xeon; in
+    bfloat16 its dot products (AVX-512 BF16) are bound by arithmetic past 4 rows, where torch's
+    products (oneDNN, on AMX there) were 2-3x faster at 16, unless the kernel has AMX itself
+    (astrai/kernels/amx.c: level with oneDNN's packed layout at 16 rows). Longer inputs (prompt
+    chunks), where arithmetic, not reading the weights, is the cost, go to torch's product on
+    the same tensor."""
+    if dtype == torch.bfloat16 and gemv.float_isa() < gemv.FLOAT_AMX:
+        return 4
+    return 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +46,7 @@ class GemvMatrix:
         return self.weight.shape
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > KERNEL_ROWS[self.weight.dtype] * x.shape[-1] or x.requires_grad:
+        if x.numel() > kernel_rows(self.weight.dtype) * x.shape[-1] or x.requires_grad:
             return F.linear(x, self.weight)
         return cast(self.run(x), x.dtype)
 

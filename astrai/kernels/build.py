@@ -29,7 +29,7 @@ log = logging.getLogger("astrai.infer")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("gemv.c", "float_gemv.c", "attention.c", "pointwise.c", "cross_entropy.c")
+    for name in ("gemv.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c")
 )
 HEADERS = (Path(__file__).with_name("vector_math.h"),)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")

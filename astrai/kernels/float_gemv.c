@@ -9,13 +9,13 @@
  * whichever wins here).
  *
  * Layouts: x float32 [rows][in]; w [out][in], float32 or bfloat16 bits (`bf16`); y float32
- * [rows][out]. in must be a multiple of 16. Three paths, picked at run time: AVX-512 BF16 for
- * bfloat16 weights (vdpbf16ps: the activations rounded to bfloat16 once a call, as a bfloat16
- * model's already are, 32 products a vector summed in float32; in a multiple of 32), AVX-512
- * (16 lanes, bfloat16 weights widened to float32; four activation rows a pass: 16
- * accumulators) and AVX2 + FMA (8 lanes, two rows). Output rows are split over the OpenMP
- * threads of torch's libgomp, each thread one contiguous range: one stream for the
- * prefetcher. */
+ * [rows][out]. in must be a multiple of 16. Four paths, picked at run time: for bfloat16
+ * weights AMX tiles (amx.c, from two rows) and AVX-512 BF16 (vdpbf16ps; both round the
+ * activations to bfloat16 once a call, as a bfloat16 model's already are, and sum the products
+ * in float32; in a multiple of 32), AVX-512 (16 lanes, bfloat16 weights widened to float32;
+ * four activation rows a pass: 16 accumulators) and AVX2 + FMA (8 lanes, two rows). Output
+ * rows are split over the OpenMP threads of torch's libgomp, each thread one contiguous
+ * range. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -36,8 +36,8 @@ AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
 
 /* y[r][o + t * stride] for R activation rows and T weight rows `stride` apart from o: constants
  * once inlined, so that the accumulators stay in registers */
-AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, int o, int stride, int out,
-                             float *y, const int R, const int T) {
+AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, int o, int stride,
+                             int out, float *y, const int R, const int T) {
     const float *x = xs;
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
@@ -81,8 +81,8 @@ AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf1
             y[(size_t)r * out + o + t * stride] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-AVX2 INLINE void block256(const void *xs, int in, const void *w, int bf16, int o, int stride, int out,
-                          float *y, const int R, const int T) {
+AVX2 INLINE void block256(const void *xs, int in, const void *w, int bf16, int o, int stride,
+                          int out, float *y, const int R, const int T) {
     const float *x = xs;
     __m256 acc[2][TILE];
     for (int r = 0; r < R; r++)
@@ -105,7 +105,8 @@ AVX2 INLINE void block256(const void *xs, int in, const void *w, int bf16, int o
 
 /* Each path's blocks as functions of R (index R - 1) and T (index 0: one weight row, 1: TILE),
  * the constants inlined into each. */
-typedef void (*Block)(const void *x, int in, const void *w, int bf16, int o, int stride, int out, float *y);
+typedef void (*Block)(const void *x, int in, const void *w, int bf16, int o, int stride, int out,
+                      float *y);
 #define BLOCK_AS(target, block, R, T)                                                           \
     target static void block##_##R##_##T(const void *x, int in, const void *w, int bf16, int o, \
                                          int stride, int out, float *y) {                       \
@@ -169,37 +170,55 @@ AVX512BF16 static void round_activations(const float *x, size_t n, uint16_t *out
 }
 
 int astrai_gemv_isa(void);
+int astrai_amx_usable(void);
+int astrai_amx_bf16_product(const float *x, int rows, int in, const uint16_t *w, int whole,
+                            int out, float *y, int threads);
 
-/* The paths this CPU runs: 1 AVX2, 2 AVX-512, 3 AVX-512 with BF16 dot products. */
+/* The paths this CPU runs: 1 AVX2, 2 AVX-512, 3 AVX-512 with BF16 dot products, 4 that and AMX
+ * tiles (amx.c). */
 int astrai_float_gemv_isa(void) {
     int best = astrai_gemv_isa();
-    return best == 2 && __builtin_cpu_supports("avx512bf16") ? 3 : best;
+    if (best < 2 || !__builtin_cpu_supports("avx512bf16"))
+        return best;
+    return astrai_amx_usable() ? 4 : 3;
 }
 
 /* 0, or -1: in is not a multiple of 16, -2: out of memory, -3: the path asked for is missing
- * here (isa 0: the best here; 1: AVX2, 2: AVX-512, 3: AVX-512 BF16, for bfloat16 weights with
- * in a multiple of 32; else the best of the others). */
+ * here (isa 0: the best here; 1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX, the last two for
+ * bfloat16 weights with in a multiple of 32, else the best of the others). The AMX path takes
+ * the outputs in whole tiles of 16, the dot products the rest. */
 int astrai_float_gemv(const float *x, int rows, int in, const void *w, int out, int bf16,
                       float *y, int threads, int isa) {
     if (in < 16 || in % 16 || rows < 1 || out < 1)
         return -1;
     int best = astrai_float_gemv_isa();
-    isa = isa ? isa : best;
+    /* at one row AMX's tiles are 1/16 used and the dot products read the weights as fast */
+    isa = isa ? isa : best == 4 && rows == 1 ? 3 : best;
     if (isa > best || isa < 1)
         return -3;
-    if (isa == 3 && (!bf16 || in % 32))
+    if (isa >= 3 && (!bf16 || in % 32))
         isa = 2;
+    int first = 0; /* outputs before it are done */
+    if (isa == 4) {
+        first = out / 16 * 16;
+        if (first && astrai_amx_bf16_product(x, rows, in, w, first, out, y, threads))
+            return -2;
+        if (first == out)
+            return 0;
+        isa = 3;
+    }
     uint16_t *rounded = NULL;
     if (isa == 3) {
         if (!(rounded = malloc(sizeof(uint16_t) * (size_t)rows * in)))
             return -2;
         round_activations(x, (size_t)rows * in, rounded);
     }
-    int tiles = (out + TILE - 1) / TILE;
+    int left = out - first, tiles = (left + TILE - 1) / TILE;
 #pragma omp parallel num_threads(threads < tiles ? threads : tiles)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int lo = (int)((int64_t)out * t / n), hi = (int)((int64_t)out * (t + 1) / n);
+        int lo = first + (int)((int64_t)left * t / n);
+        int hi = first + (int)((int64_t)left * (t + 1) / n);
         range(&PATHS[isa], isa == 3 ? (const void *)rounded : x, rows, in, w, bf16, lo, hi, out, y);
     }
     free(rounded);

@@ -103,6 +103,14 @@ def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
     return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,))
 
 
+FLOAT_AMX = 4  # the float product's path with AMX tiles (float_gemv.c)
+
+
+def float_isa() -> int:
+    """The float product's best path here: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX."""
+    return _library().astrai_float_gemv_isa()
+
+
 def float_product(weight: torch.Tensor):
     """run(x, threads=None, isa=0): x [..., in] @ W.T in float32 for W = weight, float32 or
     bfloat16 [out, in] as torch holds it (float_gemv.c: in a multiple of 16)."""

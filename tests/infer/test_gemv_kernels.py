@@ -11,7 +11,7 @@ import torch
 from numerics import int8_block_half_steps
 
 from astrai.infer import support
-from astrai.infer.float_gemv import KERNEL_ROWS, GemvMatrix
+from astrai.infer.float_gemv import GemvMatrix, kernel_rows
 from astrai.infer.int4 import dequantize, quantize_groups
 from astrai.infer.quant import quantize_rows
 from astrai.kernels import build, gemv
@@ -108,21 +108,21 @@ def test_rows_threads_and_paths_do_not_change_a_row(case):
         assert torch.equal(run(x, threads=2, isa=isa), alone)
 
 
-FLOAT_ISA = {1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+FLOAT_ISA = {1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx_bf16"}
 
 
 def float_path(isa: int) -> int:
     """The float product's path `isa` where this CPU runs it (3, the bfloat16 dot products, for
     bfloat16 weights; float32 ones take path 2 there)."""
     path(1)
-    if isa > build.kernel_library().astrai_float_gemv_isa():
+    if isa > gemv.float_isa():
         pytest.skip(f"the CPU has no {FLOAT_ISA[isa]}")
     return isa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", list(FLOAT_ISA))
-@pytest.mark.parametrize("shape", [(13, 96), (4, 16), (37, 256), (1, 48)])
+@pytest.mark.parametrize("shape", [(13, 96), (4, 16), (37, 256), (1, 48), (150, 64)])
 def test_the_float_product_sums_in_float32_at_any_row_count(dtype, isa, shape):
     float_path(isa)
     g = torch.Generator().manual_seed(shape[0])
@@ -195,7 +195,7 @@ def test_a_gemv_matrix_hands_prompts_and_gradients_to_torch():
     w, calls = torch.randn(8, 32), []
     kernel = gemv.float_product(w)
     matrix = GemvMatrix(w, lambda x: calls.append(len(x)) or kernel(x))
-    most = KERNEL_ROWS[torch.float32]
+    most = kernel_rows(torch.float32)
     for rows in (1, most, most + 1):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(matrix.linear(x), x @ w.T)
