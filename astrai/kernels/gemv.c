@@ -28,9 +28,19 @@
 #define BLOCK 32
 #define PAIR 64
 /* Weight rows a pass multiplies together, interleaved in memory. Measured streaming 4864 x 896
- * from memory, one thread: 4 rows stored apart (4 streams) ran at 13-16 GB/s (int8) and 13-15
- * (int4), one row a pass at 24 and 18: the hardware prefetcher follows one stream best. */
+ * from memory, one thread: 4 rows stored apart (4 streams, a row apart) ran at 13-16 GB/s
+ * (int8) and 13-15 (int4), one row a pass at 24 and 18: streams that close trip each other. */
 #define TILE 4
+/* At one activation row a pass multiplies several tiles, each a share of the thread's range
+ * apart, so that the weights are read as that many sequential streams. Over the 0.5B shapes on
+ * a 2-core Intel Xeon (two threads; reading alone 28-31 GB/s), one stream a thread read the
+ * int8 weights at 21-23 GB/s and four at 25-28; the 4-bit ones, whose products keep twice the
+ * registers a row, 16-17 GB/s as one stream, 23-24 as two, 21-22 as four. Row r of a pass is
+ * ROW(r). */
+#define INT8_STREAMS 4
+#define INT4_STREAMS 2
+#define STREAMS 4 /* the most of either */
+#define ROW(r) (row0 + (r) / TILE * apart + (r) % TILE)
 
 /* Where row `row`'s pair `p` starts, in a layout of TILE-row tiles of `bytes` a pair-row. */
 static inline size_t tiled(int row, int p, int pairs, int bytes) {
@@ -146,17 +156,19 @@ AVX512 INLINE float offsets512(const uint16_t *scale, const uint16_t *zero, cons
     return hsum512(acc);
 }
 
-/* R weight rows from `row0` times NX activation rows from `x0`; G the group size. */
+/* R weight rows from `row0` (past TILE of them, tiles `apart` rows apart: see INT8_STREAMS)
+ * times NX activation rows from `x0`; G the group size. */
 AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
                                 const uint16_t *zero, const Activations *a, float *y, int out,
-                                int row0, int x0, const int R, const int NX, const int G) {
+                                int row0, int apart, int x0, const int R, const int NX,
+                                const int G) {
     const int width = a->width, pairs = width / PAIR, groups = width / G;
     const int pairs_per_step = G == BLOCK ? 1 : G / PAIR, groups_per_step = G == BLOCK ? 2 : 1;
-    __m512 acc[4][4];
+    __m512 acc[STREAMS * TILE][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
     for (int p = 0, g = 0; p < pairs; p += pairs_per_step, g += groups_per_step) {
-        __m512 part[4][4];
+        __m512 part[STREAMS * TILE][4];
         for (int k = 0; k < pairs_per_step; k++) {
             __m512i xq[4];
             __m512 lanes[4];
@@ -165,7 +177,7 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
                 lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p + k) * 16);
             }
             for (int r = 0; r < R; r++) {
-                const uint8_t *w = nibbles + tiled(row0 + r, p + k, pairs, 32);
+                const uint8_t *w = nibbles + tiled(ROW(r), p + k, pairs, 32);
                 _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
                 __m512i wq = unpack_pair(w);
                 for (int i = 0; i < NX; i++) {
@@ -177,16 +189,16 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
             }
         }
         for (int r = 0; r < R; r++) {
-            const uint16_t *s = scale + (size_t)(row0 + r) * groups + g;
+            const uint16_t *s = scale + (size_t)ROW(r) * groups + g;
             __m512 sv = G == BLOCK ? scale_pair(s) : scale_one(s);
             for (int i = 0; i < NX; i++) acc[r][i] = _mm512_fmadd_ps(part[r][i], sv, acc[r][i]);
         }
     }
     for (int r = 0; r < R; r++) {
-        const size_t at = (size_t)(row0 + r) * groups;
-        for (int i = 0; i < NX && row0 + r < out; i++) {
+        const size_t at = (size_t)ROW(r) * groups;
+        for (int i = 0; i < NX && ROW(r) < out; i++) {
             const float *sums = a->group_sum + (size_t)(x0 + i) * groups;
-            y[(size_t)(x0 + i) * out + row0 + r] =
+            y[(size_t)(x0 + i) * out + ROW(r)] =
                 hsum512(acc[r][i]) + offsets512(scale + at, zero + at, sums, groups);
         }
     }
@@ -196,22 +208,28 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
     AVX512 static void int4_rows512_##G(const uint8_t *n, const uint16_t *s,             \
                                         const uint16_t *z, const Activations *a, float *y, \
                                         int out, int r0, int r1) {                        \
+        if (a->rows == 1) { /* as in int8_rows512 */                                      \
+            int span = (r1 - r0) / (TILE * INT4_STREAMS) * TILE;                          \
+            for (int row = r0; row < r0 + span; row += TILE)                              \
+                int4_tile512(n, s, z, a, y, out, row, span, 0, INT4_STREAMS * TILE, 1, G); \
+            r0 += INT4_STREAMS * span;                                                    \
+        }                                                                                 \
         for (int row = r0; row < r1;) {                                                   \
             int R = TILE; /* r1 - r0: whole tiles */                                                \
             for (int x0 = 0; x0 < a->rows; x0 += 4) {                                     \
                 int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;                             \
-                if (R == 4 && nx == 1) int4_tile512(n, s, z, a, y, out, row, x0, 4, 1, G); \
+                if (R == 4 && nx == 1) int4_tile512(n, s, z, a, y, out, row, 0, x0, 4, 1, G); \
                 else if (R == 4 && nx == 2)                                               \
-                    int4_tile512(n, s, z, a, y, out, row, x0, 4, 2, G);                   \
+                    int4_tile512(n, s, z, a, y, out, row, 0, x0, 4, 2, G);                   \
                 else if (R == 4) {                                                        \
                     for (int h = 0; h < 4; h += 2) {                                      \
-                        if (nx == 3) int4_tile512(n, s, z, a, y, out, row + h, x0, 2, 3, G); \
-                        else int4_tile512(n, s, z, a, y, out, row + h, x0, 2, 4, G);      \
+                        if (nx == 3) int4_tile512(n, s, z, a, y, out, row + h, 0, x0, 2, 3, G); \
+                        else int4_tile512(n, s, z, a, y, out, row + h, 0, x0, 2, 4, G);      \
                     }                                                                     \
-                } else if (nx == 1) int4_tile512(n, s, z, a, y, out, row, x0, 1, 1, G);   \
-                else if (nx == 2) int4_tile512(n, s, z, a, y, out, row, x0, 1, 2, G);     \
-                else if (nx == 3) int4_tile512(n, s, z, a, y, out, row, x0, 1, 3, G);     \
-                else int4_tile512(n, s, z, a, y, out, row, x0, 1, 4, G);                  \
+                } else if (nx == 1) int4_tile512(n, s, z, a, y, out, row, 0, x0, 1, 1, G);   \
+                else if (nx == 2) int4_tile512(n, s, z, a, y, out, row, 0, x0, 1, 2, G);     \
+                else if (nx == 3) int4_tile512(n, s, z, a, y, out, row, 0, x0, 1, 3, G);     \
+                else int4_tile512(n, s, z, a, y, out, row, 0, x0, 1, 4, G);                  \
             }                                                                             \
             row += R;                                                                     \
         }                                                                                 \
@@ -222,10 +240,10 @@ INT4_TILES(128)
 
 /* int8 weights: |w| as the unsigned operand, x with w's sign as the signed one. */
 AVX512 INLINE void int8_tile512(const int8_t *weight, const float *row_scale,
-                                const Activations *a, float *y, int out, int row0, int x0,
-                                const int R, const int NX) {
+                                const Activations *a, float *y, int out, int row0, int apart,
+                                int x0, const int R, const int NX) {
     const int width = a->width, pairs = width / PAIR;
-    __m512 acc[4][4];
+    __m512 acc[STREAMS * TILE][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
@@ -236,7 +254,7 @@ AVX512 INLINE void int8_tile512(const int8_t *weight, const float *row_scale,
             lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16);
         }
         for (int r = 0; r < R; r++) {
-            const int8_t *w = weight + tiled(row0 + r, p, pairs, PAIR);
+            const int8_t *w = weight + tiled(ROW(r), p, pairs, PAIR);
             _mm_prefetch((const char *)w + 2048, _MM_HINT_T0);
             __m512i wq = _mm512_loadu_si512(w);
             __m512i magnitude = _mm512_abs_epi8(wq);
@@ -250,24 +268,30 @@ AVX512 INLINE void int8_tile512(const int8_t *weight, const float *row_scale,
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < NX && row0 + r < out; i++)
-            y[(size_t)(x0 + i) * out + row0 + r] = hsum512(acc[r][i]) * row_scale[row0 + r];
+        for (int i = 0; i < NX && ROW(r) < out; i++)
+            y[(size_t)(x0 + i) * out + ROW(r)] = hsum512(acc[r][i]) * row_scale[ROW(r)];
 }
 
 AVX512 static void int8_rows512(const int8_t *w, const float *s, const Activations *a, float *y,
                                 int out, int r0, int r1) {
+    if (a->rows == 1) { /* INT8_STREAMS tiles a pass, that share of the range apart */
+        int span = (r1 - r0) / (TILE * INT8_STREAMS) * TILE;
+        for (int row = r0; row < r0 + span; row += TILE)
+            int8_tile512(w, s, a, y, out, row, span, 0, INT8_STREAMS * TILE, 1);
+        r0 += INT8_STREAMS * span;
+    }
     for (int row = r0; row < r1;) {
         int R = TILE; /* r1 - r0: whole tiles */
         for (int x0 = 0; x0 < a->rows; x0 += 4) {
             int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;
-            if (R == 4 && nx == 1) int8_tile512(w, s, a, y, out, row, x0, 4, 1);
-            else if (R == 4 && nx == 2) int8_tile512(w, s, a, y, out, row, x0, 4, 2);
-            else if (R == 4 && nx == 3) int8_tile512(w, s, a, y, out, row, x0, 4, 3);
-            else if (R == 4) int8_tile512(w, s, a, y, out, row, x0, 4, 4);
-            else if (nx == 1) int8_tile512(w, s, a, y, out, row, x0, 1, 1);
-            else if (nx == 2) int8_tile512(w, s, a, y, out, row, x0, 1, 2);
-            else if (nx == 3) int8_tile512(w, s, a, y, out, row, x0, 1, 3);
-            else int8_tile512(w, s, a, y, out, row, x0, 1, 4);
+            if (R == 4 && nx == 1) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 1);
+            else if (R == 4 && nx == 2) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 2);
+            else if (R == 4 && nx == 3) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 3);
+            else if (R == 4) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 4);
+            else if (nx == 1) int8_tile512(w, s, a, y, out, row, 0, x0, 1, 1);
+            else if (nx == 2) int8_tile512(w, s, a, y, out, row, 0, x0, 1, 2);
+            else if (nx == 3) int8_tile512(w, s, a, y, out, row, 0, x0, 1, 3);
+            else int8_tile512(w, s, a, y, out, row, 0, x0, 1, 4);
         }
         row += R;
     }

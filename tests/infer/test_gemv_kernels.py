@@ -76,9 +76,11 @@ CASES = [
     ("int4", lambda: int4_case(40, 256, 64)),
     ("int4", lambda: int4_case(9, 384, 128)),
     ("int4", lambda: int4_case(33, 160, 32)),
+    ("int4", lambda: int4_case(70, 128, 64)),  # one row's passes of two tiles reach the padding
     ("int8", lambda: int8_case(13, 96)),
     ("int8", lambda: int8_case(37, 256)),
     ("int8", lambda: int8_case(5, 45)),  # a width no block divides: padded
+    ("int8", lambda: int8_case(61, 128)),  # one row's passes of four tiles reach the padding
 ]
 
 
