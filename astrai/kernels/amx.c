@@ -100,8 +100,9 @@ AMX static void pair_activations(const float *x, int n, int in, uint32_t *pairs)
         __m512i r[16];
         for (int m = 0; m < TILE_ROWS; m++) {
             const float *at = x + (size_t)m * in + k;
-            __m512bh two = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(at + 16), _mm512_loadu_ps(at));
-            r[m] = m < n ? (__m512i)two : _mm512_setzero_si512();
+            r[m] = m < n ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(at + 16),
+                                                         _mm512_loadu_ps(at))
+                         : _mm512_setzero_si512();
         }
         transpose16(r);
         for (int p = 0; p < 16; p++)
@@ -119,7 +120,8 @@ AMX static void store_sums(float sums[TILE_ROWS][TILE_ROWS], int n, int o, int o
         _mm512_storeu_si512(y + (size_t)m * out + o, r[m]);
 }
 
-#define PRODUCT(acc, tile, o)                                                       \
+/* the 16 weight rows from o, inputs k..k+31, into `tile`, times the activations into `acc` */
+#define PRODUCT(acc, tile, o)                                                \
     _tile_loadd(tile, w + (size_t)(o) * in + k, in * (int)sizeof(uint16_t)); \
     _tile_dpbf16ps(acc, tile, 6)
 
