@@ -88,4 +88,4 @@ def test_onednn_held_to_avx2_packs_no_bf16_and_prepare_takes_another_layout():
     )
     reason, used = run.stdout.splitlines()
     assert "avx512bw" in reason
-    assert used == "['float']"
+    assert "packed" not in used and used != "[]"  # float or gemv, whichever times faster
