@@ -434,6 +434,32 @@ def test_rows_pair_ours_with_llama_cpp_at_the_same_bits():
     assert [side_name(f, main) for f in FORMATS] == ["engine float32", "engine bf16", "engine", "engine int4"]  # fmt: skip
 
 
+def test_each_format_is_measured_in_a_group_of_its_own_with_both_sides_of_its_rows():
+    from types import SimpleNamespace
+
+    from benchmark.formats import FORMATS, peer_pairs
+    from benchmark.sections import format_groups
+
+    by_name = {f.name: f for f in FORMATS}
+    peer = SimpleNamespace(names=tuple(f"llama.cpp {t}" for t in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_K_M")))  # fmt: skip
+    b = SimpleNamespace(
+        peer=peer, main_format=by_name["float32"], formats={k: by_name[k] for k in ("int8", "int4")}
+    )  # bf16 does not run here: its file has a group alone, paired with nothing
+    names = ("engine", "engine int8", "engine int4", "loop", "transformers")
+    groups = format_groups(b, names)
+    assert groups == [
+        (("engine", "loop", "transformers"), ("llama.cpp F32",)),
+        (("engine int8",), ("llama.cpp Q8_0",)),
+        (("engine int4",), ("llama.cpp Q4_0", "llama.cpp Q4_K_M")),
+        ((), ("llama.cpp BF16",)),
+    ]
+    sides = {"float32": "engine", "int8": "engine int8", "int4": "engine int4"}
+    for mine, theirs in peer_pairs(sides, peer.names):  # a row's sides are timed in turn
+        assert any(mine in o and theirs in t for o, t in groups)
+    # no peer, no other format: one group, as before
+    assert format_groups(SimpleNamespace(peer=None, main_format=by_name["int8"], formats={}), ("engine", "loop")) == [(("engine", "loop"), ())]  # fmt: skip
+
+
 def test_skip_reasons_say_why_a_format_does_not_run(monkeypatch):
     from benchmark import formats
 

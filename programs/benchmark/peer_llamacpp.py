@@ -181,8 +181,9 @@ def close_peer(peer: Peer) -> None:
     peer.log.unlink(missing_ok=True)
 
 
-def generate_calls(peer: Peer | None, n: int) -> dict:
-    """{"llama.cpp F32": prompts -> n greedy tokens each, ...}, all prompts in one batch."""
+def generate_calls(peer: Peer | None, n: int, names: tuple[str, ...] | None = None) -> dict:
+    """{"llama.cpp F32": prompts -> n greedy tokens each, ...}, all prompts in one batch; only
+    the files `names` where given."""
     if peer is None:
         return {}
     return {
@@ -190,7 +191,15 @@ def generate_calls(peer: Peer | None, n: int) -> dict:
             peer, {"op": "greedy", "model": name.split()[-1], "prompts": prompts, "n": n}
         )["tokens"]
         for name in peer.names
+        if names is None or name in names
     }
+
+
+def release(peer: Peer | None, names: tuple[str, ...]) -> None:
+    """Close the peer's models of the files `names` ("llama.cpp F32", ...), freeing their
+    memory; a later call loads them again."""
+    if peer is not None and names:
+        ask(peer, {"op": "release", "models": [name.split()[-1] for name in names]})
 
 
 def prefill_calls(peer: Peer | None) -> dict:
@@ -239,6 +248,10 @@ def main() -> None:
                 case "prefill":
                     m = model(request["model"], len(request["prompts"]))
                     answer = {"next": lc.prompt_logits(m, request["prompts"]).argmax(-1).tolist()}
+                case "release":
+                    for key in [k for k in models if k[0] in request["models"]]:
+                        lc.close(models.pop(key))
+                    answer = {"ok": True}
                 case "quit":
                     break
         except Exception as exc:  # the parent reports it; the peer stays up for the next call

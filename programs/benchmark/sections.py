@@ -30,7 +30,7 @@ from .limits import (
     weights_read_bandwidth,
 )
 from .models import Workload, random_prompts
-from .peer_llamacpp import generate_calls, prefill_calls
+from .peer_llamacpp import generate_calls, prefill_calls, release
 from .report import compare, figure
 from .timing import interleave, median, timed
 from .verify import Logits, agreement, forward_logits, generated, predicted, same_work, verdict
@@ -220,6 +220,43 @@ def sides(b: Bench, names: tuple[str, ...]) -> Iterator[dict[str, Callable]]:
             if side == "engine":
                 _note_kernels(b, process.facts["kernels"], fmt)
         yield {name: process.generate for name, process in processes.items()}
+
+
+def format_groups(
+    b: Bench, names: tuple[str, ...]
+) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """(our sides, llama.cpp files) of names and the peer's files, in the groups measured one
+    after another: the run's own format with the sides that have no other (the loop,
+    transformers) and llama.cpp's files at its bits, then each other format of ours with the
+    files at its bits, then any file no format of ours pairs with. Only a group's processes and
+    llama.cpp models are alive while it is measured: at the 1B shape the five formats of both
+    sides together need more memory than a 23 GB machine has, and where the host reclaims a
+    VM's memory a side timed beside others' resident gigabytes pays for them. A row's two
+    sides are always in one group, so each ratio is still of rounds taken in turn."""
+    peers = b.peer.names if b.peer is not None else ()
+    groups, paired = [], set()
+    for f in (b.main_format, *b.formats.values()):
+        ours_names = tuple(
+            n for n in names if (n.partition(" ")[2] or b.main_format.name) == f.name
+        )
+        files = tuple(p for p in peers if p.split()[-1] in f.peers)
+        groups.append((ours_names, files))
+        paired.update(files)
+    if rest := tuple(p for p in peers if p not in paired):
+        groups.append(((), rest))
+    return [group for group in groups if group != ((), ())]
+
+
+def by_format(b: Bench, names: tuple[str, ...], n: int) -> Iterator[dict[str, Callable]]:
+    """{side: batch of prompts -> n greedy tokens each} for each group of format_groups in turn,
+    ours and llama.cpp's; a group's processes end and its llama.cpp models close before the
+    next group's start."""
+    for ours_names, files in format_groups(b, names):
+        limit(b)  # before the group's processes hold their memory
+        with sides(b, ours_names) as generate:
+            calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
+            yield calls | generate_calls(b.peer, n, files)
+        release(b.peer, files)
 
 
 def with_formats(b: Bench, side: str) -> tuple[str, ...]:
@@ -423,12 +460,10 @@ def _decode_target(b: Bench) -> float:
 def decode(b: Bench) -> None:
     """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
     n = b.work.new_tokens
-    limit(b)
-    outputs: dict = {}
+    outputs, rates = {}, {}
     batches = [[prompt] for prompt in b.prompts(b.work.rounds + 1, seed=1)]
-    with sides(b, (*with_formats(b, "engine"), "loop", "transformers")) as generate:
-        calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
-        rates = b.measure(calls | generate_calls(b.peer, n), batches, n, outputs)
+    for calls in by_format(b, (*with_formats(b, "engine"), "loop", "transformers"), n):
+        rates |= b.measure(calls, batches, n, outputs)
     pairs = [
         ("engine", "transformers", "Engine, batch 1"),
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
@@ -448,20 +483,21 @@ def decode(b: Bench) -> None:
 
 def throughput(b: Bench) -> None:
     """c concurrent requests in one go: total generated tokens / wall time."""
-    n = b.work.new_tokens
-    with sides(b, (*with_formats(b, "engine"), "transformers")) as generate:
-        calls = {k: lambda batch, f=f: f(batch, n) for k, f in generate.items()}
-        calls |= generate_calls(b.peer, n)
-        for c in b.work.concurrency:
-            limit(b)
-            batches = [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)]
-            outputs: dict = {}
-            rates = b.measure(calls, batches, c * n, outputs)
-            targets = {"engine": THROUGHPUT_TARGETS.get(c)}
-            pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
-            choices = _choices(batches, outputs)
-            _reference_rows(b, "throughput", rates, pairs, "tok/s", targets, choices)
-            b.shares.append(("throughput", c, rates, None))
+    n, concurrency = b.work.new_tokens, b.work.concurrency
+    batches = {
+        c: [b.prompts(c, seed=100 * c + r) for r in range(b.work.rounds + 1)] for c in concurrency
+    }
+    outputs: dict = {c: {} for c in concurrency}
+    rates: dict = {c: {} for c in concurrency}
+    for calls in by_format(b, (*with_formats(b, "engine"), "transformers"), n):
+        for c in concurrency:
+            rates[c] |= b.measure(calls, batches[c], c * n, outputs[c])
+    for c in concurrency:
+        targets = {"engine": THROUGHPUT_TARGETS.get(c)}
+        pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
+        choices = _choices(batches[c], outputs[c])
+        _reference_rows(b, "throughput", rates[c], pairs, "tok/s", targets, choices)
+        b.shares.append(("throughput", c, rates[c], None))
 
 
 def _next_tokens(logits) -> list[list[int]]:
