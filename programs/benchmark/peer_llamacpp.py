@@ -202,9 +202,10 @@ def release(peer: Peer | None, names: tuple[str, ...]) -> None:
         ask(peer, {"op": "release", "models": [name.split()[-1] for name in names]})
 
 
-def prefill_calls(peer: Peer | None) -> dict:
+def prefill_calls(peer: Peer | None, names: tuple[str, ...] | None = None) -> dict:
     """{"llama.cpp F32": tokens [B, T] -> {"next": each row's greedy next token}, ...}: the
-    prefill, last logits only, and their argmax (microseconds) in the peer process."""
+    prefill, last logits only, and their argmax (microseconds) in the peer process; only the
+    files `names` where given."""
     if peer is None:
         return {}
     return {
@@ -212,6 +213,7 @@ def prefill_calls(peer: Peer | None) -> dict:
             peer, {"op": "prefill", "model": name.split()[-1], "prompts": x.tolist()}
         )
         for name in peer.names
+        if names is None or name in names
     }
 
 

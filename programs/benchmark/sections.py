@@ -116,10 +116,15 @@ class Bench:
 
     def logits_in(self, precision: str) -> Logits:
         """Our forward's logits in a precision: "exact" (float64 weights), "float" (the run's
-        dtype), "ours" (the run's dtype with --quantize); its weights made on first use."""
+        dtype), "ours" (the run's dtype with --quantize), "format F"; its weights made on
+        first use. Besides the exact one only the last precision's weights are kept: a row is
+        checked against the exact forward and its side's rounding, and at the 1B shape the
+        exact weights (10 GB) and every format's beside them outgrew a 23 GB machine."""
 
         def logits(feed: tuple[int, ...]):
             if precision not in self.forwards:
+                for other in [p for p in self.forwards if p != "exact"]:
+                    del self.forwards[other]
                 self.forwards[precision] = forward_logits(self._weights(precision), self.cfg)
             return self.forwards[precision](feed)
 
@@ -517,23 +522,26 @@ def prefill(b: Bench) -> None:
         torch.randint(0, b.cfg.vocab_size, (batch, length), generator=g).to(b.device)
         for _ in range(b.work.rounds + 1)
     ]
-    run_prefill = ours.paged_prefill_fn(
-        ours.prepared(b.params, b.cfg, b.quantize), b.cfg, batch, length
-    )
-    formats = {
-        f"prefill {fmt}": ours.paged_prefill_fn(b._weights(f"format {fmt}"), b.cfg, batch, length)
-        for fmt in b.formats
+    makers = {
+        "forward": lambda: lambda x: ours.forward_logits(b.params, b.cfg, x),
+        "prefill": lambda: ours.paged_prefill_fn(
+            ours.prepared(b.params, b.cfg, b.quantize), b.cfg, batch, length
+        ),
+        **{
+            f"prefill {fmt}": lambda fmt=fmt: ours.paged_prefill_fn(
+                b._weights(f"format {fmt}"), b.cfg, batch, length
+            )
+            for fmt in b.formats
+        },
+        "ref_forward": lambda: lambda x: reference.forward(b.reference, x, last_only=False),
+        "ref_prefill": lambda: lambda x: reference.forward(b.reference, x, last_only=True),
     }
-    calls = {
-        "forward": lambda x: ours.forward_logits(b.params, b.cfg, x),
-        "prefill": run_prefill,
-        **formats,
-        "ref_forward": lambda x: reference.forward(b.reference, x, last_only=False),
-        "ref_prefill": lambda x: reference.forward(b.reference, x, last_only=True),
-        **prefill_calls(b.peer),
-    }
-    outputs: dict = {}
-    rates = b.measure(_available(b, calls), inputs, batch * length, outputs, keep=_next_tokens)
+    outputs, rates = {}, {}
+    for names, files in format_groups(b, tuple(_available(b, makers))):
+        # each format's weights are made for its group and dropped after it (see format_groups)
+        calls = {name: makers[name]() for name in names} | prefill_calls(b.peer, files)
+        rates |= b.measure(calls, inputs, batch * length, outputs, keep=_next_tokens)
+        release(b.peer, files)
     pairs = [
         ("forward", "ref_forward", f"forward, {batch} x {length}, all logits"),
         ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
