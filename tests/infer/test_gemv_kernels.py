@@ -6,6 +6,8 @@ absent."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from numerics import int8_block_half_steps
@@ -205,3 +207,17 @@ def test_a_gemv_matrix_hands_prompts_and_gradients_to_torch():
     x = torch.randn(2, 32, requires_grad=True)
     matrix.linear(x).sum().backward()  # the kernel has no gradient: torch's product ran
     assert calls == [1, most] and x.grad is not None
+
+
+@pytest.mark.parametrize("kernel_delay", [0.0, 0.002])
+def test_the_rows_the_kernel_takes_are_those_it_leads_at(monkeypatch, kernel_delay):
+    # a kernel slower than torch's product at 16 rows hands them to torch; one as fast keeps them
+    path(1)
+    from astrai.infer import float_gemv
+
+    def product(w):
+        return lambda x: time.sleep(kernel_delay)  # no work at all, or 2 ms a matrix
+
+    monkeypatch.setattr(gemv, "float_product", product)
+    leads = float_gemv._kernel_leads_at(16, torch.bfloat16, shape=(512, 256))
+    assert leads == (kernel_delay == 0.0)
