@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 
-MOST_ROWS = 16  # a decode step's rows the kernel may take: past it a step is a prompt's
-FEW_ROWS = 4  # where its bfloat16 dot products (AVX-512 BF16) still lead on any CPU measured
+SURE_ROWS = 16  # rows the kernel led or matched torch's products at on every CPU measured
+FEW_ROWS = 4  # the same for its bfloat16 dot products (AVX-512 BF16, no AMX)
+TIMED_ROWS = (16, 64)  # more rows a decode step may have: 16 requests, 64; a prompt's are more
 TIMED_BYTES = 64 << 20  # weights the timing streams: more than most caches, as a step reads them
 
 
@@ -28,15 +29,21 @@ TIMED_BYTES = 64 << 20  # weights the timing streams: more than most caches, as 
 def kernel_rows(dtype: torch.dtype) -> int:
     """Rows up to which the kernel runs: it streams the weights once for any number of rows.
     Longer inputs (prompt chunks), where arithmetic, not reading the weights, is the cost, go to
-    torch's product on the same tensor. In float32, and in bfloat16 where the kernel has AMX
-    tiles (astrai/kernels/amx.c), it matched or beat torch's products at 16 rows on every CPU
-    measured. Its bfloat16 dot products without AMX differ by CPU: bound by arithmetic past
-    four rows on a 2-core Intel Xeon, where torch's products (oneDNN, on AMX) were 2-3x faster
-    at 16, but 1.3-2.2x faster than torch's on a 2-core AMD Zen 4. So there they are timed
-    against torch's product on the same weights at MOST_ROWS rows, once a process."""
-    if dtype != torch.bfloat16 or gemv.float_isa() >= gemv.FLOAT_AMX:
-        return MOST_ROWS
-    return MOST_ROWS if _kernel_leads_at(MOST_ROWS, dtype) else FEW_ROWS
+    torch's product on the same tensor. How far the kernel leads differs by CPU, so past what
+    held everywhere it is timed against torch's product on the same weights at each of
+    TIMED_ROWS, once a process. In float32, and in bfloat16 where the kernel has AMX tiles
+    (astrai/kernels/amx.c), it matched or beat torch's products at 16 rows on every CPU
+    measured; at 64 rows, in float32, it led torch's unpacked product 1.1-2x on a 2-core AMD
+    Zen 4 (where torch's float32 product is MKL's). Its bfloat16 dot products without AMX are
+    bound by arithmetic past four rows on a 2-core Intel Xeon, where torch's products (oneDNN,
+    on AMX) were 2-3x faster at 16, but led torch's 1.3-2.2x on the AMD Zen 4."""
+    amx = gemv.float_isa() >= gemv.FLOAT_AMX
+    rows = SURE_ROWS if dtype != torch.bfloat16 or amx else FEW_ROWS
+    for more in (n for n in TIMED_ROWS if n > rows):
+        if not _kernel_leads_at(more, dtype):
+            break
+        rows = more
+    return rows
 
 
 def _kernel_leads_at(rows: int, dtype: torch.dtype, shape=(4096, 1024)) -> bool:
@@ -79,5 +86,6 @@ class GemvMatrix:
 
 def gemv_matrix(w: torch.Tensor) -> GemvMatrix:
     """w [out, in] (float32 or bfloat16 on the CPU, in a multiple of 16) for our kernel."""
+    kernel_rows(w.dtype)  # timed now, as weights are prepared, not in a request's first step
     w = w.contiguous()
     return GemvMatrix(w, gemv.float_product(w))
