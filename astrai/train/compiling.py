@@ -34,9 +34,14 @@ def inductor_cache_dir() -> Path:
 
 
 def user_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/astrai/inductor, or ~/.cache/astrai/inductor."""
+    """$XDG_CACHE_HOME/astrai/inductor/FAMILY, or ~/.cache/astrai/inductor/FAMILY, FAMILY the
+    CPU kernels torch runs (avx512, avx2, default, ...). Kernels built while torch ran one
+    family and read back while it ran another gave a non-finite loss from the first step
+    (built under AVX-512, read under ATEN_CPU_CAPABILITY=avx2 on the same AMD Zen 4); a home
+    folder shared by machines of both kinds would do the same, so each family has its own."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "astrai" / "inductor"
+    family = torch.backends.cpu.get_cpu_capability().lower()
+    return Path(root) / "astrai" / "inductor" / family
 
 
 def use_user_cache_dir() -> None:

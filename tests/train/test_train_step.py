@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,7 +199,8 @@ def test_compiled_graphs_are_cached_in_the_users_cache_not_tmp(tmp_path, monkeyp
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    mine = str(tmp_path / "cache" / "astrai" / "inductor")
+    family = torch.backends.cpu.get_cpu_capability().lower()
+    mine = str(tmp_path / "cache" / "astrai" / "inductor" / family)
     for unset in (None, default_cache_dir()):  # torch writes its /tmp default when imported
         if unset is None:
             monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -208,6 +211,18 @@ def test_compiled_graphs_are_cached_in_the_users_cache_not_tmp(tmp_path, monkeyp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
     compiling.use_user_cache_dir()  # the user's own choice stays
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "chosen")
+
+
+def test_each_family_of_cpu_kernels_has_a_cache_of_its_own(tmp_path):
+    # kernels built under one family and read under another gave non-finite losses
+    folders = {}
+    for family in ("default", "avx2"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": family, "XDG_CACHE_HOME": str(tmp_path)}
+        code = "from astrai.train import compiling; print(compiling.user_cache_dir())"
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        folders[family] = done.stdout.strip()
+    assert folders["default"] != folders["avx2"]
+    assert all(f.startswith(str(tmp_path / "astrai" / "inductor")) for f in folders.values())
 
 
 @pytest.mark.skipif(compiler_missing(torch.device("cpu")) is not None, reason="no C++ compiler")
