@@ -48,8 +48,8 @@ def kernel_rows(dtype: torch.dtype) -> int:
 
 def _kernel_leads_at(rows: int, dtype: torch.dtype, shape=(4096, 1024)) -> bool:
     """Whether the kernel multiplies `rows` rows by matrices of `shape` faster than torch's
-    F.linear on the same tensors, streamed from memory one after the other (best of three
-    alternating rounds)."""
+    F.linear on the same tensors, streamed from memory one after the other (the best of four
+    alternating rounds, the first of them warming up)."""
     copies = max(TIMED_BYTES // (shape[0] * shape[1] * dtype.itemsize), 1)
     weights = [torch.full(shape, 0.01, dtype=dtype) for _ in range(copies)]
     kernels = [gemv.float_product(w) for w in weights]
@@ -59,7 +59,7 @@ def _kernel_leads_at(rows: int, dtype: torch.dtype, shape=(4096, 1024)) -> bool:
         "torch": lambda: [F.linear(x, w) for w in weights],
     }
     best = dict.fromkeys(sides, float("inf"))
-    for side in (*sides, *sides, *sides, *sides):  # the first round warms up
+    for side in (*sides, *sides, *sides, *sides):
         start = time.perf_counter()
         sides[side]()
         best[side] = min(best[side], time.perf_counter() - start)
