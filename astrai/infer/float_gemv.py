@@ -9,13 +9,13 @@ Whether it beats the other layouts on the running machine is measured at load
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from astrai.infer.timing import best_of_rounds, pass_seconds
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 
@@ -48,21 +48,16 @@ def kernel_rows(dtype: torch.dtype) -> int:
 
 def _kernel_leads_at(rows: int, dtype: torch.dtype, shape=(4096, 1024)) -> bool:
     """Whether the kernel multiplies `rows` rows by matrices of `shape` faster than torch's
-    F.linear on the same tensors, streamed from memory one after the other (the best of four
-    alternating rounds, the first of them warming up)."""
+    F.linear on the same tensors, streamed from memory one after the other (best_of_rounds)."""
     copies = max(TIMED_BYTES // (shape[0] * shape[1] * dtype.itemsize), 1)
     weights = [torch.full(shape, 0.01, dtype=dtype) for _ in range(copies)]
     kernels = [gemv.float_product(w) for w in weights]
     x = torch.full((rows, shape[1]), 0.5, dtype=dtype)
     sides = {
-        "kernel": lambda: [run(x) for run in kernels],
-        "torch": lambda: [F.linear(x, w) for w in weights],
+        "kernel": kernels,
+        "torch": [functools.partial(F.linear, weight=w) for w in weights],
     }
-    best = dict.fromkeys(sides, float("inf"))
-    for side in (*sides, *sides, *sides, *sides):
-        start = time.perf_counter()
-        sides[side]()
-        best[side] = min(best[side], time.perf_counter() - start)
+    best = best_of_rounds(sides, functools.partial(pass_seconds, x=x))
     return best["kernel"] < best["torch"]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import Counter
 
 import torch
@@ -19,6 +18,7 @@ from astrai.infer.layouts import LAYOUTS
 from astrai.infer.packed import DTYPES
 from astrai.infer.quant import BUILDERS, Int8Matrix, int8_matrix, quantize_rows
 from astrai.infer.support import products_here
+from astrai.infer.timing import best_of_rounds, pass_seconds
 from astrai.model import Params
 from astrai.model.layers import FUSED, project
 
@@ -46,26 +46,6 @@ def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[s
     )
 
 
-def _pass(runs: list, x: torch.Tensor) -> float:
-    """Seconds to multiply x by each of the products `runs`, one after the other."""
-    start = time.perf_counter()
-    for run in runs:
-        run(x)
-    return time.perf_counter() - start
-
-
-def _best_of_rounds(candidates: dict, seconds) -> dict:
-    """Each candidate's best `seconds(candidate)` of three rounds after a warm-up, the
-    candidates alternating within a round so that the machine's drift hits them all."""
-    for value in candidates.values():
-        seconds(value)
-    best = dict.fromkeys(candidates, float("inf"))
-    for _ in range(3):
-        for key, value in candidates.items():
-            best[key] = min(best[key], seconds(value))
-    return best
-
-
 @functools.cache
 def _fastest_layout(
     out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
@@ -85,7 +65,7 @@ def _fastest_layout(
     timings = {}
     for rows in TUNE_ROWS:
         x = torch.full((rows, in_features), 0.5, dtype=dtype)
-        timings[rows] = _best_of_rounds(candidates, functools.partial(_pass, x=x))
+        timings[rows] = best_of_rounds(candidates, functools.partial(pass_seconds, x=x))
     behind = {name: max(t[name] / min(t.values()) for t in timings.values()) for name in candidates}
     choice = min(behind, key=behind.get)
     shown = "; ".join(
@@ -120,7 +100,7 @@ def _fastest_int8(
     winners, shape = {}, f"{out_features}x{in_features} (x{copies})"
     for rows in SPLIT_ROWS:
         x = torch.randn(rows, in_features, device=device)
-        timings = _best_of_rounds(runs, functools.partial(_pass, x=x))
+        timings = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
         winners[rows] = min(timings, key=timings.get)
         shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
         log.info("int8 %s at %d rows: %s (%s a pass)", shape, rows, winners[rows], shown)
@@ -159,7 +139,7 @@ def _fastest_int4(
             build = int4.BUILDERS[kernel]
             candidates[kernel, group] = [build(q, scale, zero, group)[1] for _ in range(copies)]
 
-    timings = _best_of_rounds(candidates, lambda runs: sum(_pass(runs, x) for x in inputs))
+    timings = best_of_rounds(candidates, lambda runs: sum(pass_seconds(runs, x) for x in inputs))
     best = min(timings, key=timings.get)
     shown = ", ".join(f"{k}/{g} {t * 1e3:.3f} ms" for (k, g), t in timings.items())
     log.info("int4 %dx%d (x%d): %s/%d (%s a pass)", out_features, in_features, copies, *best, shown)
@@ -194,7 +174,7 @@ def _int4_split(
     before = TUNE_ROWS[-1]
     for rows in DENSE_ROWS:
         x = torch.randn(rows, in_features, device=device)
-        timings = _best_of_rounds(runs, functools.partial(_pass, x=x))
+        timings = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
         log.info(
             "int4 %dx%d/%d at %d rows: gemv %.3f ms, dense %.3f ms",
             out_features, in_features, group, rows, timings["gemv"] * 1e3, timings["dense"] * 1e3,

@@ -305,5 +305,5 @@ def test_the_int8_choice_splits_where_another_product_wins_at_more_rows(
     at = {rows: i for i, rows in enumerate(prepare.SPLIT_ROWS)}
     monkeypatch.setattr(prepare, "runnable", lambda *args: list(seconds))
     monkeypatch.setattr(prepare, "BUILDERS", {name: lambda q, s, n=name: n for name in seconds})
-    monkeypatch.setattr(prepare, "_pass", lambda runs, x: seconds[runs[0]][at[x.shape[0]]])
+    monkeypatch.setattr(prepare, "pass_seconds", lambda runs, x: seconds[runs[0]][at[x.shape[0]]])
     assert prepare.fastest_kernel(8, 16, torch.device("cpu"), copies=2) == choice
