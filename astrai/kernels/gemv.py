@@ -56,9 +56,10 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: i
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """The int8 [out, in] weights as [out / TILE, width / PAIR, TILE, PAIR], width in rounded up
-    to PAIR and out to TILE, the padding zero: any width."""
-    return _tiled(_pad(q, padded_width(q.shape[1])), PAIR)
+    """The int8 [out, in] weights plus 128 (uint8) as [out / TILE, width / PAIR, TILE, PAIR],
+    width in rounded up to PAIR and out to TILE, the padding's weights zero: any width."""
+    padded = _pad(q, padded_width(q.shape[1]))
+    return _tiled(padded.view(torch.uint8) ^ 0x80, PAIR)  # two's complement w + 128
 
 
 def _library():
