@@ -39,6 +39,7 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-reference", action="store_true", help="our figures alone, without transformers")  # fmt: skip
     parser.add_argument("--peer", choices=["llama.cpp"], help="add llama.cpp's rows (F32, BF16, Q8_0, Q4_0, Q4_K_M GGUF of the same weights), ours in the same formats beside them; needs the peer extra")  # fmt: skip
+    parser.add_argument("--formats", default="", help="with --peer: comma-separated formats of float32, bf16, int8, int4 to pair with llama.cpp's files (default all; the run's own always runs)")  # fmt: skip
     parser.add_argument("--out", default="runs/bench", help="where run folders and the cached models go")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
@@ -56,6 +57,7 @@ def parse(argv: list[str] | None = None) -> Options:
         reference=not args.no_reference,
         out=Path(args.out),
         peer=args.peer,
+        formats=tuple(s.strip() for s in args.formats.split(",") if s.strip()),
     )
 
 

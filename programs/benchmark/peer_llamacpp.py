@@ -93,13 +93,14 @@ def quantize_gguf(source: Path, out: Path, name: str, threads: int = 0) -> None:
     tmp.rename(out)
 
 
-def peer_types(device) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The llama.cpp files to run here, and {type: why not} for the others: a file of a format
-    whose dtype is not native here (BF16 where bf16 is emulated) does not run."""
+def peer_types(device, formats: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The llama.cpp files of `formats` (names of formats.FORMATS) to run here, and {type: why
+    not} for the others: a file of a format whose dtype is not native here (BF16 where bf16 is
+    emulated) does not run."""
     from .formats import FORMATS, skip_reason
 
     run, skipped = [], {}
-    for f in FORMATS:
+    for f in (f for f in FORMATS if f.name in formats):
         reason = skip_reason(f, device) if f.quantize is None else None
         for name in f.peers:
             if reason is None:
@@ -148,7 +149,7 @@ def start_for_bench(b) -> Peer | None:
     length = w.prefill[1]
     n_ctx = max(w.prompt_len + w.new_tokens, length)  # per sequence
     threads = torch.get_num_threads()
-    types, skipped = peer_types(b.device)
+    types, skipped = peer_types(b.device, b.wanted_formats)
     for name, reason in skipped.items():
         b.skip("peer", f"llama.cpp {name}", reason)
     b.note(

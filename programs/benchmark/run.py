@@ -22,7 +22,7 @@ from astrai.train.matmul_peak import cpu_model
 
 from . import peer_llamacpp
 from .chart import Panel, write_chart
-from .formats import quantize_skip_reason
+from .formats import FORMATS, Format, quantize_skip_reason
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import MARKS, markdown, table, verdicts
 from .sections import SECTIONS, Bench, limit_rows
@@ -42,6 +42,7 @@ class Options:
     reference: bool = True
     out: Path = Path("runs/bench")
     peer: str | None = None  # "llama.cpp": its rows next to ours (peer_llamacpp.py)
+    formats: tuple[str, ...] = ()  # with the peer: the formats paired (formats.FORMATS); () all
 
 
 def selected_sections(only: tuple[str, ...]) -> list[str]:
@@ -54,6 +55,15 @@ def selected_sections(only: tuple[str, ...]) -> list[str]:
     if wanted & {"decode", "throughput"}:
         wanted.add("limit")
     return [name for name in SECTIONS if name in wanted]
+
+
+def wanted_formats(names: tuple[str, ...], main: Format) -> tuple[str, ...]:
+    """The formats of formats.FORMATS a run with the peer measures: those named (all when none
+    are) and always the run's own (`main`, from --dtype / --quantize)."""
+    known = [f.name for f in FORMATS]
+    if unknown := sorted(set(names) - set(known)):
+        raise ValueError(f"unknown format(s) {unknown}; choose from {', '.join(known)}")
+    return tuple(n for n in known if not names or n in names or n == main.name)
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,6 +95,7 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     tokenizer = bench_tokenizer(cfg.vocab_size)
     b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
     b.quantize = opts.quantize
+    b.wanted_formats = wanted_formats(opts.formats, b.main_format)
     status = {}
     try:
         if opts.peer:

@@ -73,6 +73,7 @@ class Bench:
     # that each llama.cpp file has ours at the same bits (formats.py)
     formats: dict[str, Format] = field(default_factory=dict)
     skipped_formats: dict[str, str] = field(default_factory=dict)  # format name -> why not
+    wanted_formats: tuple[str, ...] = tuple(f.name for f in FORMATS)  # --formats
 
     @property
     def main_format(self) -> Format:
@@ -83,7 +84,7 @@ class Bench:
         and a line for each that does not, saying why."""
         main = self.main_format
         for f in FORMATS:
-            if f == main:
+            if f == main or f.name not in self.wanted_formats:
                 continue
             reason = skip_reason(f, self.device)
             if reason is None:

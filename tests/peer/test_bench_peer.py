@@ -70,3 +70,18 @@ def test_llama_cpp_quantises_the_f32_file_to_4_bits(tmp_path):
     # matrices at 4.5 / 32 of their F32 size; norms stay F32 (a few hundred floats)
     assert 4.5 / 32 < q4 / f32 < 4.5 / 32 + 0.02, q4 / f32
     assert q4 < gguf_bytes_per_token(paths["Q4_K_M"]) < f32 / 4
+
+
+def test_formats_narrow_the_run_to_those_named(tmp_path, capsys):
+    """--formats int8 with --quantize int8: our int8 Engine and llama.cpp's Q8_0 file alone."""
+    argv = ["--quick", "--rounds", "1", "--only", "decode", "--no-reference", "--out", str(tmp_path)]  # fmt: skip
+    program = load_program()
+    assert program.main([*argv, "--peer", "llama.cpp", "--formats", "int9"]) == 2
+    assert "unknown format(s) ['int9']" in capsys.readouterr().err
+    code = program.main([*argv, "--peer", "llama.cpp", "--quantize", "int8", "--formats", "int8"])
+    assert code == 0, capsys.readouterr().out
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "models"]
+    results = json.loads((run_dir / "results.json").read_text())
+    peers = {r.get("reference_name") for r in results["rows"] if r["section"] == "decode"}
+    assert "llama.cpp Q8_0" in peers and not peers & {f"llama.cpp {t}" for t in TYPES if t != "Q8_0"}  # fmt: skip
+    assert "kernels_by_format" not in results  # no Engine in a format besides the run's own
