@@ -223,3 +223,20 @@ def test_the_rows_the_kernel_takes_are_those_it_leads_at(monkeypatch, kernel_wor
     monkeypatch.setattr(gemv, "float_product", product)
     leads = float_gemv._kernel_leads_at(16, torch.bfloat16, shape=(2048, 1024))
     assert leads == (kernel_works == 0)
+
+
+@pytest.mark.parametrize("onednn_works", [0, 2])
+def test_a_prompt_goes_to_the_faster_of_torchs_and_onednns_products(monkeypatch, onednn_works):
+    # oneDNN's product made slower than F.linear (here: F.linear twice) is not taken; one
+    # faster (no work at all) is
+    from astrai.infer import float_gemv
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch was built without oneDNN")
+
+    def onednn(x, weight):
+        return [torch.nn.functional.linear(x, weight) for _ in range(onednn_works)]
+
+    monkeypatch.setattr(float_gemv, "onednn_linear", onednn)
+    chosen = float_gemv.prompt_product.__wrapped__(torch.float32)
+    assert chosen is (onednn if onednn_works == 0 else torch.nn.functional.linear)
