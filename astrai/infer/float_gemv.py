@@ -23,9 +23,7 @@ SURE_ROWS = 16  # rows the kernel led or matched torch's products at on every CP
 FEW_ROWS = 4  # the same for its bfloat16 dot products (AVX-512 BF16, no AMX)
 TIMED_ROWS = (16, 64)  # more rows a decode step may have: 16 requests, 64; a prompt's are more
 TIMED_BYTES = 64 << 20  # weights the timing streams: more than most caches, as a step reads them
-PROMPT_ROWS = (
-    512  # a prompt chunk's rows (the Engine's prefill_chunk), where prompt_product is timed
-)
+PROMPT_ROWS = 512  # a prompt chunk's rows (the Engine's prefill_chunk): prompt_product's timing
 
 
 @functools.cache

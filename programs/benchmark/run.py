@@ -22,7 +22,7 @@ from astrai.train.matmul_peak import cpu_model
 
 from . import peer_llamacpp
 from .chart import Panel, write_chart
-from .formats import FORMATS, Format, quantize_skip_reason
+from .formats import FORMATS, Format, format_of, quantize_skip_reason
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import MARKS, markdown, table, verdicts
 from .sections import SECTIONS, Bench, limit_rows
@@ -76,6 +76,7 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     """Run the benchmark; returns what results.json holds (plus "run_dir", and "chart":
     whether chart.png was drawn)."""
     sections = selected_sections(opts.only)
+    formats = wanted_formats(opts.formats, format_of(opts.dtype, opts.quantize))
     if opts.threads:
         torch.set_num_threads(opts.threads)
     size = opts.size or ("tiny" if opts.quick else "small")
@@ -95,7 +96,7 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     tokenizer = bench_tokenizer(cfg.vocab_size)
     b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
     b.quantize = opts.quantize
-    b.wanted_formats = wanted_formats(opts.formats, b.main_format)
+    b.wanted_formats = formats
     status = {}
     try:
         if opts.peer:
