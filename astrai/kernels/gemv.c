@@ -92,25 +92,17 @@ AVX2 static void quantize_activations(const float *x, int in, Activations *a, in
         float *lanes = a->lanes + (size_t)r * (a->width / PAIR) * 16;
         for (int p = 0; p < a->width / PAIR; p++)
             for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[2 * p + l / 8];
-        float offset = 0.0f;
+        /* each block's sum of q * step, into the row's total and its weight group's */
+        float total = 0.0f, *sums = a->group_sum ? a->group_sum + (size_t)r * groups : NULL;
+        for (int g = 0; sums && g < groups; g++) sums[g] = 0.0f;
         for (int b = 0; b < blocks; b++) {
             int t = 0;
             for (int j = 0; j < BLOCK; j++) t += q[b * BLOCK + j];
-            offset += (float)t * step[b];
+            total += (float)t * step[b];
+            if (sums)
+                sums[b * BLOCK / group] += (float)t * step[b];
         }
-        a->offset[r] = 128.0f * offset;
-        if (a->group_sum) {
-            float *sums = a->group_sum + (size_t)r * groups;
-            for (int g = 0; g < groups; g++) {
-                float s = 0.0f;
-                for (int b = g * group / BLOCK; b < (g + 1) * group / BLOCK; b++) {
-                    int t = 0;
-                    for (int j = 0; j < BLOCK; j++) t += q[b * BLOCK + j];
-                    s += (float)t * step[b];
-                }
-                sums[g] = s;
-            }
-        }
+        a->offset[r] = 128.0f * total;
     }
 }
 
