@@ -47,19 +47,27 @@ def kernel_rows(dtype: torch.dtype) -> int:
     return rows
 
 
+def _seconds(products: dict, rows: int, dtype: torch.dtype, copies: int, shape=(4096, 1024)):
+    """{name: best seconds} of each product of `products` ({name: weight -> run(x)}) over
+    `copies` matrices of `shape`, streamed one after the other at `rows` rows (best_of_rounds)."""
+    weights = [torch.full(shape, 0.01, dtype=dtype) for _ in range(copies)]
+    x = torch.full((rows, shape[1]), 0.5, dtype=dtype)
+    sides = {name: [build(w) for w in weights] for name, build in products.items()}
+    return best_of_rounds(sides, functools.partial(pass_seconds, x=x))
+
+
 def _kernel_leads_at(rows: int, dtype: torch.dtype, shape=(4096, 1024)) -> bool:
     """Whether the kernel multiplies `rows` rows by matrices of `shape` faster than torch's
-    F.linear on the same tensors, streamed from memory one after the other (best_of_rounds)."""
+    F.linear on the same tensors, streamed from memory one after the other."""
     copies = max(TIMED_BYTES // (shape[0] * shape[1] * dtype.itemsize), 1)
-    weights = [torch.full(shape, 0.01, dtype=dtype) for _ in range(copies)]
-    kernels = [gemv.float_product(w) for w in weights]
-    x = torch.full((rows, shape[1]), 0.5, dtype=dtype)
-    sides = {
-        "kernel": kernels,
-        "torch": [functools.partial(F.linear, weight=w) for w in weights],
-    }
-    best = best_of_rounds(sides, functools.partial(pass_seconds, x=x))
+    products = {"kernel": gemv.float_product, "torch": _bound(F.linear)}
+    best = _seconds(products, rows, dtype, copies, shape)
     return best["kernel"] < best["torch"]
+
+
+def _bound(product: Callable) -> Callable:
+    """weight -> run(x): product(x, weight) with the weight fixed."""
+    return lambda w: functools.partial(product, weight=w)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,14 +84,8 @@ def prompt_product(dtype: torch.dtype) -> Callable:
     2,048 rows; 56 against 95 GFLOP/s for the 9728 x 896 gate-up at 64)."""
     if not torch.backends.mkldnn.is_available():
         return F.linear
-    shape = (4096, 1024)
-    weights = [torch.full(shape, 0.01, dtype=dtype) for _ in range(2)]
-    x = torch.full((PROMPT_ROWS, shape[1]), 0.5, dtype=dtype)
-    sides = {
-        product: [functools.partial(product, weight=w) for w in weights]
-        for product in (F.linear, onednn_linear)
-    }
-    best = best_of_rounds(sides, functools.partial(pass_seconds, x=x))
+    products = {product: _bound(product) for product in (F.linear, onednn_linear)}
+    best = _seconds(products, PROMPT_ROWS, dtype, copies=2)
     return min(best, key=best.get)
 
 
