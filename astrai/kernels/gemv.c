@@ -1,5 +1,6 @@
 /* Few-row products y = x @ W.T that stream W once: 4-bit and 8-bit weights times activations
- * quantized to int8 per block of 32 on each call (the way llama.cpp's Q4_0 x Q8_0 dot works).
+ * quantized to int8 on each call (the way llama.cpp's Q4_0 x Q8_0 dot works), a step per block
+ * of 32 inputs, or per weight group for 4-bit weights in groups of 64 or 128.
  *
  * Built by astrai/kernels/build.py with the system C compiler and loaded with ctypes: no torch
  * headers, so it compiles in seconds. Two paths, picked at run time: AVX-512 VNNI (vpdpbusd,
@@ -59,7 +60,8 @@ static inline size_t tiled(int row, int p, int pairs, int bytes) {
 typedef struct {
     int rows, width;      /* width: padded to a multiple of PAIR */
     int8_t *q;            /* [rows][width] */
-    float *step;          /* [rows][width / BLOCK]: x ~= q * step per block */
+    int block;            /* inputs a step covers: BLOCK, or a 4-bit group of 64 or 128 */
+    float *step;          /* [rows][width / block]: x ~= q * step per block */
     float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each */
     float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
     float *offset;        /* [rows]: 128 times the sum of q * step over the row (int8) */
@@ -71,47 +73,48 @@ AVX2 static float nearest(float v) { return __builtin_roundevenf(v); }
 /* Scalar quantization: the reference order of operations both paths share, so that the AVX-512
  * and AVX2 products quantize identically. */
 AVX2 static void quantize_activations(const float *x, int in, Activations *a, int group) {
-    int blocks = a->width / BLOCK, groups = a->width / group;
+    const int block = a->block, blocks = a->width / block, groups = a->width / group;
     for (int r = 0; r < a->rows; r++) {
         const float *row = x + (size_t)r * in;
         int8_t *q = a->q + (size_t)r * a->width;
         float *step = a->step + (size_t)r * blocks;
         for (int b = 0; b < blocks; b++) {
             float amax = 0.0f;
-            int start = b * BLOCK, left = in - start;
-            int valid = left < 0 ? 0 : left < BLOCK ? left : BLOCK; /* the padding reads as 0 */
+            int start = b * block, left = in - start;
+            int valid = left < 0 ? 0 : left < block ? left : block; /* the padding reads as 0 */
             for (int j = 0; j < valid; j++) {
                 float v = __builtin_fabsf(row[start + j]);
                 amax = v > amax ? v : amax;
             }
             float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             step[b] = d;
-            for (int j = 0; j < BLOCK; j++)
+            for (int j = 0; j < block; j++)
                 q[start + j] = (int8_t)(j < valid ? nearest(row[start + j] * inv) : 0.0f);
         }
         float *lanes = a->lanes + (size_t)r * (a->width / PAIR) * 16;
         for (int p = 0; p < a->width / PAIR; p++)
-            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[2 * p + l / 8];
+            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[(2 * p + l / 8) * BLOCK / block];
         /* each block's sum of q * step, into the row's total and its weight group's */
         float total = 0.0f, *sums = a->group_sum ? a->group_sum + (size_t)r * groups : NULL;
         for (int g = 0; sums && g < groups; g++) sums[g] = 0.0f;
         for (int b = 0; b < blocks; b++) {
             int t = 0;
-            for (int j = 0; j < BLOCK; j++) t += q[b * BLOCK + j];
+            for (int j = 0; j < block; j++) t += q[b * block + j];
             total += (float)t * step[b];
             if (sums)
-                sums[b * BLOCK / group] += (float)t * step[b];
+                sums[b * block / group] += (float)t * step[b];
         }
         a->offset[r] = 128.0f * total;
     }
 }
 
-static int alloc_activations(Activations *a, int rows, int width, int group) {
+static int alloc_activations(Activations *a, int rows, int width, int group, int block) {
     a->rows = rows;
     a->width = width;
+    a->block = block;
     size_t qbytes = ((size_t)rows * width + 63) / 64 * 64;
     a->q = aligned_alloc(64, qbytes);
-    a->step = malloc(sizeof(float) * (size_t)rows * (width / BLOCK));
+    a->step = malloc(sizeof(float) * (size_t)rows * (width / block));
     a->lanes = aligned_alloc(64, sizeof(float) * (size_t)rows * (width / PAIR) * 16);
     a->group_sum = group ? malloc(sizeof(float) * (size_t)rows * (width / group)) : NULL;
     a->offset = malloc(sizeof(float) * (size_t)rows);
@@ -159,12 +162,13 @@ AVX512 INLINE __m512 offsets16(const uint16_t *scale, const uint16_t *zero, __mm
     return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
 }
 
-/* Every loop over R, NX and the pairs of a step is unrolled (the pragmas): with the counts
+/* Every loop over R, NX and the pairs of a group is unrolled (the pragmas): with the counts
  * constants once inlined, the accumulators then live in registers, where a loop left rolled
- * keeps the whole array in memory. Unrolled, and with the offsets' share summed into the same
- * accumulators (one reduction an output, the offsets converted once a weight row), a pass over
- * twelve streamed 8192 x 896 matrices ran 1.04-1.05x as fast at one row and 1.15-1.21x at
- * four and sixteen, in cache 1.04-1.33x (2-core AMD Zen 4, alternating in one process).
+ * keeps the whole array in memory. The offsets' share goes into the same accumulators (one
+ * reduction an output, the offsets converted once a weight row).
+ * The activations have one step a weight group, so a group's integer sums run across its
+ * pairs and become float once: at groups of 128, five instructions for two pairs and one
+ * weight and activation row where a step per block of 32 took seven.
  * R weight rows from `row0` (past TILE of them, tiles `apart` rows apart: see INT8_STREAMS)
  * times NX activation rows from `x0`; G the group size. */
 AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
@@ -172,43 +176,44 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
                                 int row0, int apart, int x0, const int R, const int NX,
                                 const int G) {
     const int width = a->width, pairs = width / PAIR, groups = width / G;
-    const int pairs_per_step = G == BLOCK ? 1 : G / PAIR, groups_per_step = G == BLOCK ? 2 : 1;
+    const int pairs_per_group = G == BLOCK ? 1 : G / PAIR, groups_per_pair = G == BLOCK ? 2 : 1;
     __m512 acc[STREAMS * TILE][4];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int p = 0, g = 0; p < pairs; p += pairs_per_step, g += groups_per_step) {
-        __m512 part[STREAMS * TILE][4];
+    for (int p = 0, g = 0; p < pairs; p += pairs_per_group, g += groups_per_pair) {
+        __m512i xq[2][4];
+        __m512 xstep[4]; /* each lane's activation step: two blocks' (G = 32) or the group's */
 #pragma GCC unroll 16
-        for (int k = 0; k < pairs_per_step; k++) {
-            __m512i xq[4];
-            __m512 lanes[4];
-#pragma GCC unroll 16
-            for (int i = 0; i < NX; i++) {
-                xq[i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + k) * PAIR);
-                lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p + k) * 16);
-            }
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const uint8_t *w = nibbles + tiled(ROW(r), p + k, pairs, 32);
-                _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
-                __m512i wq = unpack_pair(w);
-#pragma GCC unroll 16
-                for (int i = 0; i < NX; i++) {
-                    __m512 dot = _mm512_cvtepi32_ps(
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq[i]));
-                    part[r][i] = k == 0 ? _mm512_mul_ps(dot, lanes[i])
-                                        : _mm512_fmadd_ps(dot, lanes[i], part[r][i]);
-                }
-            }
+        for (int i = 0; i < NX; i++) {
+#pragma GCC unroll 2
+            for (int k = 0; k < pairs_per_group; k++)
+                xq[k][i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + k) * PAIR);
+            xstep[i] = G <= PAIR
+                           ? _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16)
+                           : _mm512_set1_ps(a->step[(size_t)(x0 + i) * groups + g]);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
+            __m512i wq[2];
+#pragma GCC unroll 2
+            for (int k = 0; k < pairs_per_group; k++) {
+                const uint8_t *w = nibbles + tiled(ROW(r), p + k, pairs, 32);
+                _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
+                wq[k] = unpack_pair(w);
+            }
             const uint16_t *s = scale + (size_t)ROW(r) * groups + g;
             __m512 sv = G == BLOCK ? scale_pair(s) : scale_one(s);
 #pragma GCC unroll 16
-            for (int i = 0; i < NX; i++) acc[r][i] = _mm512_fmadd_ps(part[r][i], sv, acc[r][i]);
+            for (int i = 0; i < NX; i++) {
+                __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], xq[0][i]);
+#pragma GCC unroll 2
+                for (int k = 1; k < pairs_per_group; k++)
+                    sum = _mm512_dpbusd_epi32(sum, wq[k], xq[k][i]);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                            _mm512_mul_ps(xstep[i], sv), acc[r][i]);
+            }
         }
     }
 #pragma GCC unroll 16
@@ -342,7 +347,7 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
     for (int row = r0; row < r1 && row < out; row++) {
         for (int i = 0; i < a->rows; i++) {
             const int8_t *xq = a->q + (size_t)i * width;
-            const float *step = a->step + (size_t)i * (width / BLOCK);
+            const float *step = a->step + (size_t)i * (width / a->block);
             const float *sums = a->group_sum + (size_t)i * groups;
             const uint16_t *s = scale + (size_t)row * groups, *z = zero + (size_t)row * groups;
             __m256 acc = _mm256_setzero_ps();
@@ -351,11 +356,11 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
                 __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0f));
-                int b0 = 2 * p, b1 = 2 * p + 1;
+                int b0 = 2 * p, b1 = 2 * p + 1, x0 = b0 * BLOCK / a->block, x1 = b1 * BLOCK / a->block;
                 __m256 d0 = dot32(lo, _mm256_loadu_si256((const __m256i *)(xq + b0 * BLOCK)));
                 __m256 d1 = dot32(hi, _mm256_loadu_si256((const __m256i *)(xq + b1 * BLOCK)));
-                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(step[b0] * bf16_to_float(s[b0 / per_group])), acc);
-                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(step[b1] * bf16_to_float(s[b1 / per_group])), acc);
+                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(step[x0] * bf16_to_float(s[b0 / per_group])), acc);
+                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(step[x1] * bf16_to_float(s[b1 / per_group])), acc);
             }
             float offsets = 0.0f;
             for (int g = 0; g < groups; g++)
@@ -419,7 +424,7 @@ int astrai_int4_gemv(const float *x, int rows, int in, const uint8_t *nibbles,
     isa = isa ? isa : best;
     if (isa > best || isa == 0) return -3;
     Activations a;
-    if (!alloc_activations(&a, rows, width, group)) {
+    if (!alloc_activations(&a, rows, width, group, group > PAIR ? group : BLOCK)) {
         free_activations(&a);
         return -2;
     }
@@ -449,7 +454,7 @@ int astrai_int8_gemv(const float *x, int rows, int in, const uint8_t *weight,
     isa = isa ? isa : best;
     if (isa > best || isa == 0) return -3;
     Activations a;
-    if (!alloc_activations(&a, rows, width, 0)) {
+    if (!alloc_activations(&a, rows, width, 0, BLOCK)) {
         free_activations(&a);
         return -2;
     }

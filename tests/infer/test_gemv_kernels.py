@@ -35,12 +35,12 @@ def path(isa: int) -> int:
     return isa
 
 
-def bound(x: torch.Tensor, weights: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+def bound(x: torch.Tensor, weights: torch.Tensor, terms: torch.Tensor, block: int) -> torch.Tensor:
     """The worst case of |kernel(x) - x @ weights.T|: each activation within half its block's
-    int8 step of x (int8_block_half_steps), integer sums exact, then float32 roundings (a scaling
-    per block and an add per block of 32 and group, and a few more) relative to the terms'
-    magnitudes (terms >= |each float32 product the kernel sums|)."""
-    activation = int8_block_half_steps(x)
+    int8 step of x (int8_block_half_steps; a block of `block` inputs), integer sums exact, then
+    float32 roundings (a scaling per block and an add per block of 32 and group, and a few more)
+    relative to the terms' magnitudes (terms >= |each float32 product the kernel sums|)."""
+    activation = int8_block_half_steps(x, block)
     roundings = x.shape[-1] // 32 * 2 + 16
     return activation @ weights.abs().T + roundings * FLOAT32_EPS * (
         (x.abs() + activation) @ terms.T
@@ -56,7 +56,8 @@ def int4_case(out_features: int, in_features: int, group: int):
     step = scale.repeat_interleave(group, dim=1)
     # the kernel sums q * scale and (zero - 8 * scale) apart: each at most |W| + 15 * scale
     terms = 2 * weights.abs() + 30 * step
-    return gemv.int4_product(*packed, group, (out_features, in_features)), weights, terms
+    # activations quantized per weight group
+    return gemv.int4_product(*packed, group, (out_features, in_features)), weights, terms, group
 
 
 def int8_case(out_features: int, in_features: int):
@@ -70,6 +71,7 @@ def int8_case(out_features: int, in_features: int):
         gemv.int8_product(gemv.pack_int8(q), scale, (out_features, in_features)),
         weights,
         terms,
+        32,
     )
 
 
@@ -92,13 +94,13 @@ CASES = [
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_path_is_within_the_int8_activation_rounding(case, isa, threads):
     path(isa)
-    run, weights, terms = CASES[case][1]()
+    run, weights, terms, block = CASES[case][1]()
     g = torch.Generator().manual_seed(case)
     for rows in (1, 2, 3, 4, 5):
         x = torch.randn(rows, weights.shape[1], generator=g)
         y = run(x, threads=threads, isa=isa)
         assert y.shape == (rows, weights.shape[0]) and y.dtype == torch.float32
-        assert bool(((y - x @ weights.T).abs() <= bound(x, weights, terms)).all()), rows
+        assert bool(((y - x @ weights.T).abs() <= bound(x, weights, terms, block)).all()), rows
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -106,7 +108,7 @@ def test_rows_threads_and_paths_do_not_change_a_row(case):
     # each output is summed in the same order whatever the rows beside it or the thread that
     # computes it: the same bits
     path(1)
-    run, weights, _ = CASES[case][1]()
+    run, weights, *_ = CASES[case][1]()
     x = torch.randn(5, weights.shape[1], generator=torch.Generator().manual_seed(1))
     for isa in paths_here():
         alone = torch.cat([run(row[None], threads=1, isa=isa) for row in x])
@@ -165,7 +167,7 @@ def test_a_scale_off_by_ten_percent_is_outside_the_bound():
     weights = dequantize(q, scale, zero)
     terms = 2 * weights + 30 * scale.repeat_interleave(32, dim=1)
     wrong = gemv.int4_product(*gemv.pack_int4(q, scale * 1.1, zero, 32), 32, (40, 256))
-    assert bool(((wrong(x) - x @ weights.T).abs() > bound(x, weights, terms)).any())
+    assert bool(((wrong(x) - x @ weights.T).abs() > bound(x, weights, terms, 32)).any())
 
 
 def test_groups_and_inputs_it_cannot_take_are_refused_by_name():
