@@ -13,9 +13,17 @@ import torch
 
 from astrai.kernels.build import kernel_library, why_absent
 
-BLOCK = 32  # inputs an activation step covers
+BLOCK = 32  # inputs an activation step covers (8-bit weights; 4-bit: activation_block)
 PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
 TILE = 4  # weight rows a pass multiplies, stored interleaved (one stream for the prefetcher)
+
+
+def activation_block(group: int) -> int:
+    """Inputs an activation step covers for 4-bit weights in groups of `group` (gemv.c's
+    alloc_activations call): the group where it spans several loads of 64, else BLOCK."""
+    return group if group > PAIR else BLOCK
+
+
 ERRORS = {-1: "a shape it does not take", -2: "out of memory", -3: "an instruction set missing"}
 
 

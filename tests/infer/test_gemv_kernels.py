@@ -56,8 +56,8 @@ def int4_case(out_features: int, in_features: int, group: int):
     step = scale.repeat_interleave(group, dim=1)
     # the kernel sums q * scale and (zero - 8 * scale) apart: each at most |W| + 15 * scale
     terms = 2 * weights.abs() + 30 * step
-    # activations quantized per weight group
-    return gemv.int4_product(*packed, group, (out_features, in_features)), weights, terms, group
+    run = gemv.int4_product(*packed, group, (out_features, in_features))
+    return run, weights, terms, gemv.activation_block(group)
 
 
 def int8_case(out_features: int, in_features: int):

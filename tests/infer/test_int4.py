@@ -85,14 +85,15 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, group: int, kernel: str) -> to
     4-bit weight is within half its group's step of w. weight_only rounds the activations to
     bf16, dequantizes each weight ((q - 8) * scale + zero: two float32 roundings), sums in
     float32 (at most one rounding per term) and rounds the sum to bf16. gemv rounds each
-    activation to int8 levels of its block of 32 (within half the block's step), sums the
-    integer products exactly and scales them in float32, as q * scale and (zero - 8 * scale)
-    apart: terms up to |q * scale| + |zero - 8 * scale| <= 2 |W| + 30 * scale each."""
+    activation to int8 levels of its block (gemv.activation_block: within half the block's
+    step), sums the integer products exactly and scales them in float32, as q * scale and
+    (zero - 8 * scale) apart: terms up to |q * scale| + |zero - 8 * scale| <= 2 |W| + 30 * scale each."""
     q, scale, zero = quantize_groups(w, group)
     weights = dequantize(q, scale, zero).abs()
     step = steps(scale, w.shape[1])
     if kernel == "gemv":
-        activation, output, terms = int8_block_half_steps(x), 0.0, 2 * weights + 30 * step
+        block = gemv.activation_block(group)
+        activation, output, terms = int8_block_half_steps(x, block), 0.0, 2 * weights + 30 * step
     else:
         activation, output, terms = BF16_UNIT * x.abs(), BF16_UNIT, weights
     rounding = (1 + output) * (1 + (w.shape[1] + 2) * FLOAT32_EPS) - 1
