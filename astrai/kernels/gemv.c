@@ -1,6 +1,6 @@
 /* Few-row products y = x @ W.T that stream W once: 4-bit and 8-bit weights times activations
  * quantized to int8 on each call (the way llama.cpp's Q4_0 x Q8_0 dot works), a step per block
- * of 32 inputs, or per weight group for 4-bit weights in groups of 64 or 128.
+ * of 32 inputs, or per group for 4-bit weights in groups of 128.
  *
  * Built by astrai/kernels/build.py with the system C compiler and loaded with ctypes: no torch
  * headers, so it compiles in seconds. Two paths, picked at run time: AVX-512 VNNI (vpdpbusd,
@@ -60,7 +60,7 @@ static inline size_t tiled(int row, int p, int pairs, int bytes) {
 typedef struct {
     int rows, width;      /* width: padded to a multiple of PAIR */
     int8_t *q;            /* [rows][width] */
-    int block;            /* inputs a step covers: BLOCK, or a 4-bit group of 64 or 128 */
+    int block;            /* inputs a step covers: BLOCK, or a 4-bit group of 128 */
     float *step;          /* [rows][width / block]: x ~= q * step per block */
     float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each */
     float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
@@ -166,9 +166,10 @@ AVX512 INLINE __m512 offsets16(const uint16_t *scale, const uint16_t *zero, __mm
  * constants once inlined, the accumulators then live in registers, where a loop left rolled
  * keeps the whole array in memory. The offsets' share goes into the same accumulators (one
  * reduction an output, the offsets converted once a weight row).
- * The activations have one step a weight group, so a group's integer sums run across its
- * pairs and become float once: at groups of 128, five instructions for two pairs and one
- * weight and activation row where a step per block of 32 took seven.
+ * At groups of 128 the activations have one step a group (gemv.py's activation_block), so a
+ * group's integer sums run across its two pairs and become float once: five instructions for
+ * the group and one weight and activation row where a step per block of 32 took seven. Groups
+ * of 32 and 64 keep the blocks of 32 (`lanes`: no instruction fewer with a step per group).
  * R weight rows from `row0` (past TILE of them, tiles `apart` rows apart: see INT8_STREAMS)
  * times NX activation rows from `x0`; G the group size. */
 AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
@@ -183,7 +184,7 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
     for (int p = 0, g = 0; p < pairs; p += pairs_per_group, g += groups_per_pair) {
-        __m512i xq[2][4];
+        __m512i xq[2][4]; /* at most two pairs a group: G <= 128 */
         __m512 xstep[4]; /* each lane's activation step: two blocks' (G = 32) or the group's */
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) {
