@@ -357,11 +357,12 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
                 __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0f));
-                int b0 = 2 * p, b1 = 2 * p + 1, x0 = b0 * BLOCK / a->block, x1 = b1 * BLOCK / a->block;
+                int b0 = 2 * p, b1 = 2 * p + 1; /* blocks of 32; their steps' blocks: */
+                int s0 = b0 * BLOCK / a->block, s1 = b1 * BLOCK / a->block;
                 __m256 d0 = dot32(lo, _mm256_loadu_si256((const __m256i *)(xq + b0 * BLOCK)));
                 __m256 d1 = dot32(hi, _mm256_loadu_si256((const __m256i *)(xq + b1 * BLOCK)));
-                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(step[x0] * bf16_to_float(s[b0 / per_group])), acc);
-                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(step[x1] * bf16_to_float(s[b1 / per_group])), acc);
+                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(step[s0] * bf16_to_float(s[b0 / per_group])), acc);
+                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(step[s1] * bf16_to_float(s[b1 / per_group])), acc);
             }
             float offsets = 0.0f;
             for (int g = 0; g < groups; g++)

@@ -1,8 +1,8 @@
 """Python faces of the C products in gemv.c: the weight layouts they read, built once from the
 quantized matrices, and the calls, on tensors' data pointers.
 
-Activations are quantized to int8 inside each call, per block of 32 inputs for 8-bit weights
-and per weight group (32, 64 or 128) for 4-bit ones (one float32 step a block, the block's
+Activations are quantized to int8 inside each call, per block of 32 inputs, or per group for
+4-bit weights in groups of 128 (`activation_block`; one float32 step a block, the block's
 largest magnitude / 127), so each activation is within half its block's step of its value; the
 weights' products are exact integer sums, scaled in float32.
 """

@@ -87,7 +87,8 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, group: int, kernel: str) -> to
     float32 (at most one rounding per term) and rounds the sum to bf16. gemv rounds each
     activation to int8 levels of its block (gemv.activation_block: within half the block's
     step), sums the integer products exactly and scales them in float32, as q * scale and
-    (zero - 8 * scale) apart: terms up to |q * scale| + |zero - 8 * scale| <= 2 |W| + 30 * scale each."""
+    (zero - 8 * scale) apart: terms up to |q * scale| + |zero - 8 * scale| <= 2 |W| + 30 * scale
+    each."""
     q, scale, zero = quantize_groups(w, group)
     weights = dequantize(q, scale, zero).abs()
     step = steps(scale, w.shape[1])
