@@ -62,7 +62,8 @@ typedef struct {
     int8_t *q;            /* [rows][width] */
     int block;            /* inputs a step covers: BLOCK, or a 4-bit group of 128 */
     float *step;          /* [rows][width / block]: x ~= q * step per block */
-    float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each */
+    float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each
+                             (blocks of BLOCK only: a step per group needs no lanes) */
     float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
     float *offset;        /* [rows]: 128 times the sum of q * step over the row (int8) */
 } Activations;
@@ -92,8 +93,8 @@ AVX2 static void quantize_activations(const float *x, int in, Activations *a, in
                 q[start + j] = (int8_t)(j < valid ? nearest(row[start + j] * inv) : 0.0f);
         }
         float *lanes = a->lanes + (size_t)r * (a->width / PAIR) * 16;
-        for (int p = 0; p < a->width / PAIR; p++)
-            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[(2 * p + l / 8) * BLOCK / block];
+        for (int p = 0; block == BLOCK && p < a->width / PAIR; p++)
+            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[2 * p + l / 8];
         /* each block's sum of q * step, into the row's total and its weight group's */
         float total = 0.0f, *sums = a->group_sum ? a->group_sum + (size_t)r * groups : NULL;
         for (int g = 0; sums && g < groups; g++) sums[g] = 0.0f;
