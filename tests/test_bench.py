@@ -602,8 +602,12 @@ def test_adapters_rows_compare_mixed_streams_with_base_and_merged_sides(tmp_path
     assert rows["streams equal to their merged model's"]["ours"] > 0.5
 
 
-def test_paged_attention_comparison_times_both_ways_and_restores_the_choice():
-    from benchmark import paged_attention
+@pytest.mark.parametrize(
+    "compare, ways",
+    [("attention", {"in place", "gathered"}), ("layers", {"one call", "from Python"})],
+)
+def test_decode_ways_times_both_ways_and_restores_the_choices(compare, ways):
+    from benchmark import decode_ways
 
     import astrai
     import astrai.infer.paged as paged
@@ -612,9 +616,10 @@ def test_paged_attention_comparison_times_both_ways_and_restores_the_choice():
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
     )  # fmt: skip
-    choice = paged._reads_pages_in_place
+    choices = paged._reads_pages_in_place, paged.fused_layers
+    params = astrai.init_params(cfg)
     with torch.inference_mode():
-        times = paged_attention.step_times(astrai.init_params(cfg), cfg, 2, 20, rounds=2, steps=1)
-    assert {way: len(t) for way, t in times.items()} == {"in place": 2, "gathered": 2}
+        times = decode_ways.step_times(params, cfg, compare, 2, 20, rounds=2, steps=1)
+    assert {way: len(t) for way, t in times.items()} == dict.fromkeys(ways, 2)
     assert all(t > 0 for way in times.values() for t in way)
-    assert paged._reads_pages_in_place is choice
+    assert (paged._reads_pages_in_place, paged.fused_layers) == choices

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from astrai.config import ModelConfig
+from astrai.infer.fused_layers import fused_layers
 from astrai.infer.pages import Pool, page_size_of, passed_on
 from astrai.kernels.paged_attention import PagedMask, runs_here
 from astrai.model import Params, decode_layers, embed, lm_head
@@ -38,6 +39,11 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     in_place = _reads_pages_in_place(cfg, pool, tokens)
     if in_place:
         mask, sliding = _paged_masks(cfg, table, positions, slots)
+        if (
+            lora is None
+            and (hidden := fused_layers(params, cfg, pool, x, positions, mask)) is not None
+        ):
+            return hidden  # every layer in one C call
     else:
         mask, sliding = _dense_masks(cfg, positions, used * ps, x.dtype)
 

@@ -126,9 +126,11 @@ def int8_matrix(w: torch.Tensor, kernel: str, split: tuple[int, str] | None = No
 
 
 def by_rows(few: Callable, many: Callable, rows: int) -> Callable:
-    """x -> few(x) for inputs of up to `rows` rows, many(x) beyond."""
+    """x -> few(x) for inputs of up to `rows` rows, many(x) beyond (both kept as attributes,
+    with `rows`, for a caller that asks which runs)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return few(x) if x.numel() <= rows * x.shape[-1] else many(x)
 
+    run.few, run.many, run.rows = few, many, rows
     return run

@@ -29,8 +29,11 @@ log = logging.getLogger("astrai.infer")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("gemv.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c")
-)
+    for name in (
+        "gemv.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c",
+        "decode_layers.c",
+    )
+)  # fmt: skip
 HEADERS = (Path(__file__).with_name("vector_math.h"),)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 ISA_NAMES = {1: "avx2", 2: "avx512_vnni"}
@@ -108,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_gated_activation.argtypes = [p, p, i64, i, i, i, i, p, i]
     lib.astrai_cross_entropy_grad.restype = i
     lib.astrai_cross_entropy_grad.argtypes = [p, i, i64, i64, p, i64, f, p, i]
+    lib.astrai_decode_layers.restype = i
+    lib.astrai_decode_layers.argtypes = [p, p, p, p]  # astrai/infer/fused_layers.py's structures
     return lib
 
 

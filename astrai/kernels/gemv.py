@@ -24,6 +24,10 @@ def activation_block(group: int) -> int:
     return group if group > PAIR else BLOCK
 
 
+# The products' kinds, as decode_layers.c names them: a run of `_call` carries its kind, its
+# weights' pointers and its group (INT4) as `run.spec`, for a caller that calls it from C.
+FLOAT32, BFLOAT16, INT8, INT4 = range(4)
+
 ERRORS = {-1: "a shape it does not take", -2: "out of memory", -3: "an instruction set missing"}
 
 
@@ -83,7 +87,7 @@ def _raise_on(code: int, what: str) -> None:
         raise RuntimeError(f"the {what} kernel refused the call: {ERRORS.get(code, code)}")
 
 
-def _call(kernel, what: str, shape: tuple[int, int], weights: tuple, tail: tuple):
+def _call(kernel, what: str, shape: tuple[int, int], weights: tuple, tail: tuple, kind: int):
     """x [..., in] -> [..., out] float32 through `kernel`, the weights' pointers taken once
     (a call at one row costs a few microseconds of Python, a share of a small matrix's time)."""
     out_features, in_features = shape
@@ -102,6 +106,7 @@ def _call(kernel, what: str, shape: tuple[int, int], weights: tuple, tail: tuple
         return y.view(*x.shape[:-1], out_features)
 
     run.weights = weights  # kept alive as long as the product
+    run.spec = (kind, pointers, tail[0] if kind == INT4 else 0)
     return run
 
 
@@ -110,7 +115,7 @@ def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
     4-bit matrix pack_int4 laid out. isa 0 takes the best path here; 1 (AVX2) or 2 (AVX-512
     VNNI) forces one; threads defaults to torch's."""
     kernel = _library().astrai_int4_gemv
-    return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,))
+    return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,), INT4)
 
 
 FLOAT_AMX = 4  # the float product's path with AMX tiles (float_gemv.c)
@@ -130,7 +135,8 @@ def float_product(weight: torch.Tensor):
         )
     kernel = _library().astrai_float_gemv
     shape = tuple(weight.shape)
-    return _call(kernel, "float", shape, (weight,), (int(weight.dtype == torch.bfloat16),))
+    bf16 = weight.dtype == torch.bfloat16
+    return _call(kernel, "float", shape, (weight,), (int(bf16),), BFLOAT16 if bf16 else FLOAT32)
 
 
 def int8_product(weight, row_scale, shape: tuple[int, int]):
@@ -138,4 +144,4 @@ def int8_product(weight, row_scale, shape: tuple[int, int]):
     of `shape` [out, in] (weight: pack_int8(q))."""
     kernel = _library().astrai_int8_gemv
     scale = torch.nn.functional.pad(row_scale.float(), (0, -len(row_scale) % TILE))
-    return _call(kernel, "int8", shape, (weight, scale.contiguous()), ())
+    return _call(kernel, "int8", shape, (weight, scale.contiguous()), (), INT8)

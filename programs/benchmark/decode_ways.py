@@ -1,12 +1,14 @@
-"""A decode step reading the keys in their pages against one gathering them, in one process.
+"""Two ways of a decode step against each other, in one process.
 
-    python programs/benchmark/paged_attention.py [--size q05] [--quantize int8] [--dtype float32]
-        [--batch 16] [--context 160] [--rounds 10]
+    python programs/benchmark/decode_ways.py [--compare attention|layers] [--size q05]
+        [--quantize int8] [--dtype float32] [--batch 16] [--context 160] [--rounds 10]
 
-The two ways differ only in the attention of each layer (astrai/kernels/attention.c against a
-gather of the pages and torch's fused kernel), so they run in one process on the same weights
-and pool, in alternating rounds of a few steps, and the median step of each is printed: a drift
-of the machine falls on both. The model is the benchmark's cached one (runs/bench/models).
+`attention`: each layer reading the keys in their pages (astrai/kernels/attention.c) against
+gathering them for torch's fused kernel, the layers run from Python. `layers`: every layer in one C call
+(astrai/infer/fused_layers.py) against the layers run from Python one kernel at a time. The two
+ways differ in that alone, so they run in one process on the same weights and pool, in
+alternating rounds of a few steps, and the median step of each is printed: a drift of the
+machine falls on both. The model is the benchmark's cached one (runs/bench/models).
 """
 
 from __future__ import annotations
@@ -29,8 +31,22 @@ from benchmark.models import model_folder
 PAGE_SIZE = 16
 
 
-def step_times(params, cfg, batch: int, context: int, rounds: int, steps: int = 5):
-    """{in place: [ms a step per round], gathered: [...]} for `batch` rows at `context`."""
+def _never(*args) -> None:
+    return None
+
+
+# each comparison's two ways: the functions of astrai.infer.paged each replaces
+WAYS = {
+    "attention": {
+        "in place": {"fused_layers": _never},
+        "gathered": {"fused_layers": _never, "_reads_pages_in_place": lambda *args: False},
+    },
+    "layers": {"one call": {}, "from Python": {"fused_layers": _never}},
+}
+
+
+def step_times(params, cfg, compare: str, batch: int, context: int, rounds: int, steps: int = 5):
+    """{way: [ms a step per round]} of `compare`'s two ways for `batch` rows at `context`."""
     per_row = context // PAGE_SIZE + 2
     dtype = params["model.norm.weight"].dtype
     pool = init_pages(cfg, batch * per_row, PAGE_SIZE, dtype, "cpu")
@@ -39,26 +55,28 @@ def step_times(params, cfg, batch: int, context: int, rounds: int, steps: int = 
     prompt = torch.randint(10, cfg.vocab_size, (batch, context))
     logits, pool = prefill(params, cfg, pool, prompt, table, 0)
     tokens, positions = logits.argmax(-1), torch.full((batch,), context)
-    reads_in_place = paged._reads_pages_in_place
-    times = {"in place": [], "gathered": []}
+    ways = WAYS[compare]
+    kept = {name: getattr(paged, name) for way in ways.values() for name in way}
+    times = {way: [] for way in ways}
     try:
         for _ in range(rounds):
-            for way in times:
-                paged._reads_pages_in_place = (
-                    reads_in_place if way == "in place" else lambda *args: False
-                )
+            for way, replaced in ways.items():
+                for name, function in kept.items():
+                    setattr(paged, name, replaced.get(name, function))
                 start = time.perf_counter()
                 for _ in range(steps):  # the same position again: every step alike
                     logits, pool = decode_step(params, cfg, pool, tokens, positions, table)
                     tokens = logits.argmax(-1)
                 times[way].append((time.perf_counter() - start) / steps * 1e3)
     finally:
-        paged._reads_pages_in_place = reads_in_place
+        for name, function in kept.items():
+            setattr(paged, name, function)
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=sorted(WAYS), default="attention")
     parser.add_argument("--size", default="q05")
     parser.add_argument("--quantize", default="int8", help="int8, int4 or none")
     parser.add_argument("--dtype", default="float32")
@@ -70,12 +88,12 @@ def main() -> None:
     params, cfg = astrai.load_pretrained(folder, dtype=getattr(torch, args.dtype))
     params = prepare_params(params, None if args.quantize == "none" else args.quantize)
     with torch.inference_mode():
-        times = step_times(params, cfg, args.batch, args.context, args.rounds)
-    medians = {way: statistics.median(t) for way, t in times.items()}
+        times = step_times(params, cfg, args.compare, args.batch, args.context, args.rounds)
+    (new, new_ms), (old, old_ms) = ((way, statistics.median(t)) for way, t in times.items())
     print(
         f"{args.size} {args.quantize} {args.dtype}, batch {args.batch}, context {args.context}, "
-        f"{torch.get_num_threads()} threads: in place {medians['in place']:.2f} ms a step, "
-        f"gathered {medians['gathered']:.2f} ms ({medians['gathered'] / medians['in place']:.2f}x)"
+        f"{torch.get_num_threads()} threads: {new} {new_ms:.2f} ms a step, "
+        f"{old} {old_ms:.2f} ms ({old_ms / new_ms:.2f}x)"
     )
 
 

@@ -1,0 +1,246 @@
+"""A decode step's layers in one C call (astrai/kernels/decode_layers.c), for models whose every
+layer it runs: a plain pre-norm GQA decoder (fused q/k/v and gate/up products, SwiGLU or GeGLU,
+RoPE over whole heads or none), each matrix one of our C products at the step's rows.
+
+The C function calls the kernels the Python path calls, in the same order with the same
+roundings, so the hidden states are bit for bit the same (tests/infer/test_fused_layers.py);
+it saves the Python and dispatch around them, ~140 us a layer (docs/inference.md). Where a
+model, its prepared weights or a step are not ones it takes, `fused_layers` returns None and
+the layers run in Python.
+
+The layers' C structures are built once per prepared params and kept while the same weights
+sit under the same keys (weak references: the plan keeps no model alive).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from astrai.config import ModelConfig
+from astrai.infer.float_gemv import GemvMatrix, kernel_rows
+from astrai.kernels.build import kernel_library, why_absent
+from astrai.kernels.paged_attention import PagedMask
+from astrai.kernels.pointwise import ACT_CODES
+from astrai.model.params import Params
+from astrai.model.rope import rope_tables
+
+ERRORS = {
+    1: "a product kind it lacks",
+    2: "a product refused its shape",
+    3: "attention refused the pages",
+    4: "an RMSNorm refused its width",
+    5: "the activation refused its width",
+    6: "out of memory",
+}
+PLANS_KEPT = 8  # prepared models whose plans are kept (an Engine's target and draft, tests)
+_int, _float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("kind", _int), ("in_", _int), ("out", _int), ("group", _int)] + [
+        (name, _ptr) for name in ("weight", "scale", "zero", "bias")
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr)]
+    _fields_ += [(name, _Matrix) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("rotates", _int)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _int) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "dim")),
+        *((name, _int) for name in ("intermediate", "bf16", "act", "threads")),
+        ("eps", _float), ("scale", _float), ("cos", _ptr), ("sin", _ptr),
+        ("slots", _ptr), ("table", _ptr), ("keys", _ptr),
+        *((name, _int) for name in ("width", "pool_bf16", "pages", "page_size")),
+        ("k", _ptr), ("v", _ptr), ("layer_bytes", _i64), ("final_norm", _ptr),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    layers: ctypes.Array  # of _Layer, pointing into the weights
+    rows: float  # the most rows every product runs in C at
+    dtype: torch.dtype  # of the activations and norms
+    intermediate: int
+    final_norm: int  # its pointer
+
+
+@dataclass(frozen=True, eq=False)
+class _Kept:
+    cfg: ModelConfig
+    keys: tuple[str, ...]
+    refs: tuple[weakref.ref, ...]
+    plan: _Plan | None
+
+    def holds(self, params: Params, cfg: ModelConfig) -> bool:
+        """Whether params still hold, under the plan's keys, the objects it was built from."""
+        return self.cfg is cfg and all(
+            params.get(key) is ref() for key, ref in zip(self.keys, self.refs, strict=True)
+        )
+
+
+_kept: dict[int, _Kept] = {}
+
+
+def takes_model(cfg: ModelConfig) -> bool:
+    """Whether the C layers run this model's layers (its prepared weights are asked later)."""
+    return (
+        cfg.attn_type == "gqa"
+        and cfg.model_type == "decoder"
+        and cfg.norm_placement == "pre"
+        and not (cfg.use_gated_attention or cfg.use_qk_norm or cfg.rms_norm_unit_offset)
+        and cfg.residual_multiplier == 1.0
+        and cfg.attn_logit_softcapping is None
+        and not cfg.has_sliding_layers
+        and cfg.partial_rotary_factor == 1.0
+        and cfg.hidden_act in ACT_CODES
+        and not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        and cfg.dim_per_head % 8 == 0
+        and cfg.hidden_size % 8 == 0
+    )
+
+
+NORMS = ("input_layernorm", "post_attention_layernorm")
+MATRICES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj"}
+MATRICES |= {"gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+
+
+def _keys(cfg: ModelConfig) -> tuple[str, ...]:
+    """The keys of every param a plan reads (biases included, present or not)."""
+    keys = ["model.norm.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        keys += [f"{p}.{norm}.weight" for norm in NORMS]
+        keys += [f"{p}.{m}.{part}" for m in MATRICES.values() for part in ("weight", "bias")]
+    return tuple(keys)
+
+
+def _kernel_run(matrix) -> tuple[object, float] | None:
+    """(the C product `matrix` runs a few rows through, the most rows it does) or None."""
+    if isinstance(matrix, GemvMatrix):
+        return matrix.run, kernel_rows(matrix.weight.dtype)
+    run, rows = getattr(matrix, "run", None), math.inf
+    if hasattr(run, "few"):  # quant.by_rows: a C product up to `rows`, another beyond
+        run, rows = run.few, run.rows
+    return (run, rows) if hasattr(run, "spec") else None
+
+
+def _matrix(params: Params, key: str, dtype: torch.dtype):
+    """(the _Matrix of params[f"{key}.weight"], the most rows it runs in C) or None."""
+    matrix, bias = params.get(f"{key}.weight"), params.get(f"{key}.bias")
+    found = None if isinstance(matrix, torch.Tensor) else _kernel_run(matrix)
+    if found is None:
+        return None
+    (kind, pointers, group), rows = found[0].spec, found[1]
+    out, in_ = matrix.shape
+    if bias is not None and not (_usable(bias, dtype) and bias.shape == (out,)):
+        return None
+    scale, zero = (*pointers[1:], None, None)[:2]
+    bias = None if bias is None else bias.data_ptr()
+    return _Matrix(kind, in_, out, group, pointers[0], scale, zero, bias), rows
+
+
+def _shapes_fit(layer: _Layer, cfg: ModelConfig, mlp: int) -> bool:
+    """Whether the layer's matrices are the [out, in] the C layers expect of this model, the
+    MLP `mlp` wide (a multiple of 8, as the activation kernel takes)."""
+    hidden, q = cfg.hidden_size, cfg.num_attention_heads * cfg.dim_per_head
+    qkv = q + 2 * cfg.kv_heads * cfg.dim_per_head
+    shapes = [(layer.qkv, qkv, hidden), (layer.o, hidden, q)]
+    shapes += [(layer.gate_up, 2 * mlp, hidden), (layer.down, hidden, mlp)]
+    return mlp % 8 == 0 and all((m.out, m.in_) == (out, in_) for m, out, in_ in shapes)
+
+
+def _usable(t, dtype: torch.dtype) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+
+def _plan(params: Params, cfg: ModelConfig, dtype: torch.dtype) -> _Plan | None:
+    """The C structures of the layers, or None where a norm or a product is not one they take."""
+    layers, rows = (_Layer * cfg.num_hidden_layers)(), math.inf
+    intermediate = None
+    for i, layer in enumerate(layers):
+        p = f"model.layers.{i}"
+        norms = [params.get(f"{p}.{norm}.weight") for norm in NORMS]
+        if not all(_usable(n, dtype) for n in norms):
+            return None
+        layer.attn_norm, layer.mlp_norm = (n.data_ptr() for n in norms)
+        layer.rotates = int(i not in cfg.nope_layers)
+        for name, key in MATRICES.items():
+            if (found := _matrix(params, f"{p}.{key}", dtype)) is None:
+                return None
+            setattr(layer, name, found[0])
+            rows = min(rows, found[1])
+        width = layer.gate_up.out // 2
+        if intermediate not in (None, width) or not _shapes_fit(layer, cfg, width):
+            return None  # one MLP width for every layer: the step's buffers are sized once
+        intermediate = width
+    final = params.get("model.norm.weight")
+    if not _usable(final, dtype) or kernel_library() is None:
+        return None
+    return _Plan(layers, rows, dtype, intermediate, final.data_ptr())
+
+
+def _kept_plan(params: Params, cfg: ModelConfig, dtype: torch.dtype) -> _Plan | None:
+    kept = _kept.get(id(params))
+    if kept is not None and kept.holds(params, cfg):
+        return kept.plan if kept.plan is None or kept.plan.dtype == dtype else None
+    keys = _keys(cfg)
+    refs = tuple(weakref.ref(params[k]) if k in params else _absent for k in keys)
+    plan = _plan(params, cfg, dtype)
+    if len(_kept) >= PLANS_KEPT:
+        _kept.pop(next(iter(_kept)))
+    _kept[id(params)] = _Kept(cfg, keys, refs, plan)
+    return plan
+
+
+def _absent() -> None:
+    """The reference of a key params lack: it holds while they still lack it."""
+
+
+def fused_layers(
+    params: Params, cfg: ModelConfig, pool: dict, x: torch.Tensor, positions, mask: PagedMask
+) -> torch.Tensor | None:
+    """Every layer and the final norm over embedded tokens x [B, 1, hidden] at positions
+    [B, 1], their new K/V written to the pool where mask.slots says, attending over the pages
+    as `mask` says: the final normed hidden [B, 1, hidden]. None where the model, its weights
+    or the step are not ones the C layers take (the caller runs the layers itself)."""
+    rows = x.shape[0]
+    if torch.is_grad_enabled() or not takes_model(cfg) or why_absent() is not None:
+        return None
+    plan = _kept_plan(params, cfg, x.dtype)
+    if plan is None or rows > plan.rows or mask.window or mask.slots is None:
+        return None
+    k, v = pool["k"], pool["v"]
+    if k.dtype not in (torch.float32, torch.bfloat16) or not (
+        k.is_contiguous() and v.is_contiguous()
+    ):
+        return None
+    x, slots, keys = x.contiguous(), mask.slots.contiguous(), mask.keys.contiguous()
+    out = torch.empty_like(x)
+    cos, sin = (t.contiguous() for t in rope_tables(cfg, positions))
+    step = _Step(
+        layers=cfg.num_hidden_layers, rows=rows, hidden=cfg.hidden_size,
+        heads=cfg.num_attention_heads, kv_heads=cfg.kv_heads, dim=cfg.dim_per_head,
+        intermediate=plan.intermediate, bf16=int(x.dtype == torch.bfloat16),
+        act=ACT_CODES[cfg.hidden_act], threads=torch.get_num_threads(), eps=cfg.rms_norm_eps,
+        scale=cfg.attention_scale or cfg.dim_per_head**-0.5, cos=cos.data_ptr(),
+        sin=sin.data_ptr(), slots=slots.data_ptr(), table=mask.table.data_ptr(),
+        keys=keys.data_ptr(), width=mask.table.shape[1],
+        pool_bf16=int(k.dtype == torch.bfloat16), pages=k.shape[1], page_size=k.shape[2],
+        k=k.data_ptr(), v=v.data_ptr(), layer_bytes=k[0].numel() * k.element_size(),
+        final_norm=plan.final_norm,
+    )  # fmt: skip
+    code = kernel_library().astrai_decode_layers(
+        plan.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr()
+    )
+    if code:
+        raise RuntimeError(f"the decode layers kernel refused the step: {ERRORS.get(code, code)}")
+    return out

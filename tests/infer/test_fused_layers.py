@@ -1,0 +1,159 @@
+"""A decode step's layers in one C call (astrai/infer/fused_layers.py) give bit for bit the
+logits of the same layers run one kernel at a time from Python, for every product it calls,
+and step aside wherever it does not run a model, its weights or a step."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from infer_models import BASE
+
+import astrai as ai
+from astrai.infer import (
+    alloc_pages,
+    decode_step,
+    init_pages,
+    paged,
+    prefill,
+    prepare,
+    prepare_params,
+)
+from astrai.infer import fused_layers as fused
+from astrai.infer.support import products_here
+from astrai.kernels.build import why_absent
+
+pytestmark = pytest.mark.skipif(why_absent() is not None, reason=f"no C kernels: {why_absent()}")
+
+MODELS = {
+    "plain": ai.ModelConfig(**BASE),
+    # Qwen2's q/k/v biases, a layer without RoPE, GeGLU, an explicit attention scale
+    "variants": ai.ModelConfig(
+        **{**BASE, "num_hidden_layers": 3},
+        attention_bias=True,
+        nope_layers=(1,),
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=12,
+    ),
+}
+PRODUCTS = {  # how prepare_params is told to lay out every matrix, by quantize
+    None: ("_fastest_layout", lambda *shape: "gemv"),
+    "int8": ("fastest_kernel", lambda *shape: ("gemv", None)),
+    "int4": ("fastest_int4", lambda *shape: ("gemv", 32)),
+}
+
+
+def model(kind: str, dtype: torch.dtype, quantize, monkeypatch):
+    """Prepared params of the model `kind`, every matrix multiplied by our C product."""
+    if reason := products_here(dtype)["gemv"]:
+        pytest.skip(f"the float C product of {dtype}: {reason}")
+    monkeypatch.setattr(prepare, *PRODUCTS[quantize])
+    cfg = MODELS[kind]
+    params = ai.init_params(cfg, seed=3)
+    g = torch.Generator().manual_seed(3)
+    for key in [k for k in params if k.endswith(".bias")]:  # non-zero: a lost bias shows
+        params[key] = torch.randn(params[key].shape, generator=g) * 0.3
+    return prepare_params({k: v.to(dtype) for k, v in params.items()}, quantize), cfg
+
+
+def decode(params, cfg, dtype, rows: int, steps: int = 6, pool_dtype=None) -> torch.Tensor:
+    """The logits of `steps` greedy decode steps of `rows` rows after 9-token prompts."""
+    pool = init_pages(cfg, 8 * rows, 4, pool_dtype or dtype)
+    pool, pages = alloc_pages(pool, 8 * rows)
+    table = torch.tensor(pages).view(rows, 8).flip(1)  # pages out of order
+    prompt = torch.randint(0, cfg.vocab_size, (rows, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, pool = prefill(params, cfg, pool, prompt, table, 0)
+        out = []
+        for position in range(9, 9 + steps):
+            token, at = logits.argmax(-1), torch.full((rows,), position)
+            logits, pool = decode_step(params, cfg, pool, token, at, table)
+            out.append(logits)
+    return torch.stack(out)
+
+
+def counted(monkeypatch) -> list[bool]:
+    """Whether each step's layers ran in C, from now on."""
+    ran = []
+
+    def counting(*args):
+        hidden = fused.fused_layers(*args)
+        ran.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(paged, "fused_layers", counting)
+    return ran
+
+
+def in_python(monkeypatch) -> None:
+    monkeypatch.setattr(paged, "fused_layers", lambda *args: None)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_layers_in_c_give_the_python_layers_logits(kind, dtype, quantize, rows, monkeypatch):
+    params, cfg = model(kind, dtype, quantize, monkeypatch)
+    ran = counted(monkeypatch)
+    in_c = decode(params, cfg, dtype, rows)
+    assert ran and all(ran)
+    in_python(monkeypatch)
+    assert torch.equal(in_c, decode(params, cfg, dtype, rows))
+
+
+def test_a_pool_of_another_dtype(monkeypatch):
+    params, cfg = model("plain", torch.float32, None, monkeypatch)
+    ran = counted(monkeypatch)
+    in_c = decode(params, cfg, torch.float32, 2, pool_dtype=torch.bfloat16)
+    assert all(ran)
+    in_python(monkeypatch)
+    assert torch.equal(in_c, decode(params, cfg, torch.float32, 2, pool_dtype=torch.bfloat16))
+
+
+def test_more_rows_than_a_product_runs_in_c_go_to_python(monkeypatch):
+    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: ("gemv", (2, "weight_only")))
+    cfg = MODELS["plain"]
+    params = prepare_params(ai.init_params(cfg, seed=3), "int8")
+    ran = counted(monkeypatch)
+    decode(params, cfg, torch.float32, rows=2, steps=2)
+    decode(params, cfg, torch.float32, rows=3, steps=2)
+    assert ran == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"use_qk_norm": True}, {"sliding_window": 4, "layer_types": ["sliding_attention"] * 2}],
+)
+def test_layers_it_does_not_run_go_to_python(change, monkeypatch):
+    cfg = ai.ModelConfig(**BASE, **change)
+    assert not fused.takes_model(cfg)
+    monkeypatch.setattr(prepare, *PRODUCTS[None])
+    params = prepare_params(ai.init_params(cfg, seed=3))
+    ran = counted(monkeypatch)
+    decode(params, cfg, torch.float32, rows=1, steps=2)
+    assert ran == [False, False]
+
+
+def test_a_weight_put_in_place_of_another_is_the_one_multiplied(monkeypatch):
+    params, cfg = model("plain", torch.float32, "int8", monkeypatch)
+    decode(params, cfg, torch.float32, 1)  # the plan is built for these weights
+    key = "model.layers.1.mlp.down_proj.weight"
+    weight = torch.randn(params[key].shape) * 0.3
+    params[key] = prepare_params({key: weight}, "int8")[key]
+    ran = counted(monkeypatch)
+    in_c = decode(params, cfg, torch.float32, 1)
+    assert all(ran)
+    in_python(monkeypatch)
+    assert torch.equal(in_c, decode(params, cfg, torch.float32, 1))
+
+
+def test_a_plan_keeps_no_weights_alive(monkeypatch):
+    params, cfg = model("plain", torch.float32, "int4", monkeypatch)
+    decode(params, cfg, torch.float32, 1, steps=1)
+    gone = weakref.ref(params["model.layers.0.self_attn.qkv_proj.weight"])
+    del params
+    gc.collect()
+    assert gone() is None
