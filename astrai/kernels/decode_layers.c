@@ -14,7 +14,6 @@
  * path's cast rounds them (a bias added after, and rounded again). */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "vector_math.h"
 
