@@ -1,12 +1,14 @@
 """A decode step's layers in one C call (astrai/kernels/decode_layers.c), for models whose every
 layer it runs: a plain pre-norm GQA decoder (fused q/k/v and gate/up products, SwiGLU or GeGLU,
-RoPE over whole heads or none), each matrix one of our C products at the step's rows.
+RoPE over whole heads or none), each matrix one of our C products at the call's rows. A chunk
+of a few tokens a sequence (speculated tokens to verify, a short prompt) goes the same way,
+each real token a row of the call.
 
 The C function calls the kernels the Python path calls, in the same order with the same
-roundings, so the hidden states are bit for bit the same (tests/infer/test_fused_layers.py);
-it saves the Python and dispatch around them, ~140 us a layer (docs/inference.md). Where a
-model, its prepared weights or a step are not ones it takes, `fused_layers` returns None and
-the layers run in Python.
+roundings, so a decode step's hidden states are bit for bit the same
+(tests/infer/test_fused_layers.py); it saves the Python and dispatch around them, ~140 us a
+layer (docs/inference.md). Where a model, its prepared weights or a chunk are not ones it
+takes, `fused_layers` returns None and the layers run in Python.
 
 The layers' C structures are built once per prepared params and kept while the same weights
 sit under the same keys (weak references: the plan keeps no model alive).
@@ -24,8 +26,8 @@ import torch
 from astrai.config import ModelConfig
 from astrai.infer.float_gemv import GemvMatrix, kernel_rows
 from astrai.kernels.build import kernel_library, why_absent
-from astrai.kernels.paged_attention import PagedMask
 from astrai.kernels.pointwise import ACT_CODES
+from astrai.model.layers import cast
 from astrai.model.params import Params
 from astrai.model.rope import rope_tables
 
@@ -37,6 +39,10 @@ ERRORS = {
     5: "the activation refused its width",
     6: "out of memory",
 }
+# The most tokens of one sequence a call takes: speculated tokens to verify, a short prompt.
+# Each attends over the pages alone (attention.c, one query a row), where a longer prompt's
+# attention is torch's fused kernels' work.
+CHUNK_TOKENS = 16
 PLANS_KEPT = 8  # prepared models whose plans are kept (an Engine's target and draft, tests)
 _int, _float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
 
@@ -206,25 +212,60 @@ def _absent() -> None:
 
 
 def fused_layers(
-    params: Params, cfg: ModelConfig, pool: dict, x: torch.Tensor, positions, mask: PagedMask
+    params: Params,
+    cfg: ModelConfig,
+    pool: dict,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor | None,
 ) -> torch.Tensor | None:
-    """Every layer and the final norm over embedded tokens x [B, 1, hidden] at positions
-    [B, 1], their new K/V written to the pool where mask.slots says, attending over the pages
-    as `mask` says: the final normed hidden [B, 1, hidden]. None where the model, its weights
-    or the step are not ones the C layers take (the caller runs the layers itself)."""
-    rows = x.shape[0]
+    """Every layer and the final norm over a batch of chunks: embedded tokens x [B, T, hidden]
+    at positions [B, T], the real ones (valid [B, T], None: all) written to the pool at their
+    slots (int64, one per real token in order), each attending over its row's pages (table
+    [B, W] int64) up to its own position. Returns the final normed hidden [B, T, hidden], a
+    padded position's that of its row's last real one; None where the model, its weights or
+    the chunk (more tokens than its products run in C at) are not ones the C layers take, and
+    the caller runs the layers itself. Each real token is a row of the C call: a decode step
+    has one a sequence, a chunk of a prompt or of speculated tokens several."""
     if torch.is_grad_enabled() or not takes_model(cfg) or why_absent() is not None:
         return None
+    B, T = positions.shape
     plan = _kept_plan(params, cfg, x.dtype)
-    if plan is None or rows > plan.rows or mask.window or mask.slots is None:
+    rows, k, v = slots.numel(), pool["k"], pool["v"]
+    if plan is None or rows > plan.rows or T > CHUNK_TOKENS or not _pool_fits(k, v):
         return None
-    k, v = pool["k"], pool["v"]
-    if k.dtype not in (torch.float32, torch.bfloat16) or not (
-        k.is_contiguous() and v.is_contiguous()
-    ):
-        return None
-    x, slots, keys = x.contiguous(), mask.slots.contiguous(), mask.keys.contiguous()
+    positions = cast(positions, torch.long)
+    if valid is None:
+        x, positions = x.reshape(rows, -1), positions.reshape(rows)
+        table = table if T == 1 else table.repeat_interleave(T, 0)
+    else:
+        x, positions = x[valid], positions[valid]
+        table = table[torch.arange(B, device=table.device)[:, None].expand(B, T)[valid]]
+    out = _run(plan, cfg, k, v, x.contiguous(), positions, table.contiguous(), slots.contiguous())
+    if valid is None:
+        return out.view(B, T, -1)
+    counts = valid.sum(1)  # each padded position reads its row's last real token's row
+    first = counts.cumsum(0) - counts
+    return out[first[:, None] + (valid.cumsum(1) - 1).clamp(min=0)]
+
+
+def _pool_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (
+        k.dtype in (torch.float32, torch.bfloat16)
+        and k.is_cpu
+        and k.is_contiguous()
+        and v.is_contiguous()
+    )
+
+
+def _run(plan: _Plan, cfg: ModelConfig, k, v, x, positions, table, slots) -> torch.Tensor:
+    """The C call over x [rows, hidden] at positions [rows], row r attending over the pages
+    table[r] up to its position: the final normed hidden [rows, hidden]."""
+    rows = x.shape[0]
     out = torch.empty_like(x)
+    keys = positions + 1
     cos, sin = (t.contiguous() for t in rope_tables(cfg, positions))
     step = _Step(
         layers=cfg.num_hidden_layers, rows=rows, hidden=cfg.hidden_size,
@@ -232,8 +273,8 @@ def fused_layers(
         intermediate=plan.intermediate, bf16=int(x.dtype == torch.bfloat16),
         act=ACT_CODES[cfg.hidden_act], threads=torch.get_num_threads(), eps=cfg.rms_norm_eps,
         scale=cfg.attention_scale or cfg.dim_per_head**-0.5, cos=cos.data_ptr(),
-        sin=sin.data_ptr(), slots=slots.data_ptr(), table=mask.table.data_ptr(),
-        keys=keys.data_ptr(), width=mask.table.shape[1],
+        sin=sin.data_ptr(), slots=slots.data_ptr(), table=table.data_ptr(),
+        keys=keys.data_ptr(), width=table.shape[1],
         pool_bf16=int(k.dtype == torch.bfloat16), pages=k.shape[1], page_size=k.shape[2],
         k=k.data_ptr(), v=v.data_ptr(), layer_bytes=k[0].numel() * k.element_size(),
         final_norm=plan.final_norm,

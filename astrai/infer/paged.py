@@ -36,14 +36,13 @@ def _paged_layers(params, cfg, pool, tokens, positions, page_table, valid, lora)
     slots = table.gather(1, positions // ps) * ps + positions % ps
     slots = slots[valid] if valid is not None else slots.flatten()
     x = embed(params, cfg, tokens)
+    if lora is None:  # every layer in one C call, where it takes the model and the chunk
+        hidden = fused_layers(params, cfg, pool, x, positions, table, slots, valid)
+        if hidden is not None:
+            return hidden
     in_place = _reads_pages_in_place(cfg, pool, tokens)
     if in_place:
         mask, sliding = _paged_masks(cfg, table, positions, slots)
-        if (
-            lora is None
-            and (hidden := fused_layers(params, cfg, pool, x, positions, mask)) is not None
-        ):
-            return hidden  # every layer in one C call
     else:
         mask, sliding = _dense_masks(cfg, positions, used * ps, x.dtype)
 

@@ -186,7 +186,8 @@ AVX2 static void place(const Pool *pool, const NewTokens *t, int b, int g, int h
 }
 
 /* Attention of every row's query heads over its pages (astrai_paged_attention); with `new`,
- * each row's new token placed first (astrai_paged_decode). */
+ * every row's new token placed first. All are placed before any row attends, so rows that are
+ * consecutive tokens of one sequence (a chunk, each row its own position) see each other's. */
 static int attend_rows(const Pool *pool, const NewTokens *new, const float *q, int64_t q_stride,
                        const int64_t *table, int width, const int64_t *keys, int window,
                        int rows, int heads, float *out, int threads) {
@@ -202,19 +203,31 @@ static int attend_rows(const Pool *pool, const NewTokens *new, const float *q, i
             return 4;
         longest = keys[b] > longest ? (int)keys[b] : longest;
     }
+    /* the new tokens' rotated queries, [rows][heads][dim] as q is */
+    float *placed = new ? malloc(sizeof(float) * (size_t)rows * heads * dim) : NULL;
+    if (new && !placed)
+        return 3;
+    if (new)
+        q = placed, q_stride = (int64_t)heads * dim;
     int stride = (longest + 7) / 8 * 8, failed = 0, tasks = rows * kv_heads;
 #pragma omp parallel num_threads(threads < tasks ? threads : tasks)
     {
+        if (new) {
+#pragma omp for schedule(static)
+            for (int task = 0; task < tasks; task++) {
+                int b = task / kv_heads, g = task % kv_heads;
+                place(pool, new, b, g, heads, groups, placed + b * q_stride + g * groups * dim);
+            } /* (the loop's barrier: every new key is stored before any row reads the pool) */
+        }
         float *scores = malloc(sizeof(float) * (size_t)groups * stride);
         size_t *at = malloc(sizeof(size_t) * stride);
-        float *placed = new ? malloc(sizeof(float) * (size_t)groups * dim) : NULL;
-        if (!scores || !at || (new && !placed)) {
+        if (!scores || !at) {
 #pragma omp atomic write
             failed = 3;
         }
 #pragma omp for schedule(static)
         for (int task = 0; task < tasks; task++) {
-            if (!scores || !at || (new && !placed))
+            if (!scores || !at)
                 continue;
             int b = task / kv_heads, g = task % kv_heads, last = (int)keys[b];
             int first = window > 0 && last > window ? last - window : 0, n = last - first;
@@ -225,16 +238,14 @@ static int attend_rows(const Pool *pool, const NewTokens *new, const float *q, i
                 failed = 4;
                 continue;
             }
-            if (new) /* the new key is this task's own (row, K/V head): written before it is read */
-                place(pool, new, b, g, heads, groups, placed);
-            score(pool, new ? placed : q + b * q_stride + head, at, n, groups, width8, scores);
+            score(pool, q + b * q_stride + head, at, n, groups, width8, scores);
             softmax(scores, n, groups, width8);
             weigh(pool, scores, at, n, groups, width8, out + (size_t)b * heads * dim + head);
         }
         free(scores);
         free(at);
-        free(placed);
     }
+    free(placed);
     return failed;
 }
 
@@ -251,7 +262,8 @@ int astrai_paged_attention(const float *q, int64_t q_stride, const void *k, cons
 
 /* One decode step's attention in one call: each row's new token's query and key rotated (cos,
  * sin: NULL in a layer without RoPE), its key and value written to its slot of the pool, then
- * astrai_paged_attention. qkv: each row's projections, [heads + 2 kv_heads][dim], float32 or
+ * astrai_paged_attention. Rows may be consecutive tokens of one sequence (a chunk flattened,
+ * each row with its own slot and key count): every row's K/V is stored before any row attends. qkv: each row's projections, [heads + 2 kv_heads][dim], float32 or
  * bfloat16 bits (bf16_in), rows qkv_stride apart. The errors of astrai_paged_attention, and 4
  * for a slot the pool lacks. */
 int astrai_paged_decode(const void *qkv, int64_t qkv_stride, int bf16_in, const float *cos,

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from infer_models import BASE
+from numerics import assert_close, forward_roundings
 
 import astrai as ai
 from astrai.infer import (
@@ -18,6 +19,7 @@ from astrai.infer import (
     init_pages,
     paged,
     prefill,
+    prefill_logits,
     prepare,
     prepare_params,
 )
@@ -59,19 +61,30 @@ def model(kind: str, dtype: torch.dtype, quantize, monkeypatch):
 
 
 def decode(params, cfg, dtype, rows: int, steps: int = 6, pool_dtype=None) -> torch.Tensor:
-    """The logits of `steps` greedy decode steps of `rows` rows after 9-token prompts."""
+    """The logits of `steps` greedy decode steps of `rows` rows after 9-token prompts, which
+    the layers run from Python on every side (their K/V alike for the steps compared)."""
     pool = init_pages(cfg, 8 * rows, 4, pool_dtype or dtype)
     pool, pages = alloc_pages(pool, 8 * rows)
     table = torch.tensor(pages).view(rows, 8).flip(1)  # pages out of order
     prompt = torch.randint(0, cfg.vocab_size, (rows, 9), generator=torch.Generator().manual_seed(0))
+    logits, pool = prefill_in_python(params, cfg, pool, prompt, table)
+    out = []
     with torch.no_grad():
-        logits, pool = prefill(params, cfg, pool, prompt, table, 0)
-        out = []
         for position in range(9, 9 + steps):
             token, at = logits.argmax(-1), torch.full((rows,), position)
             logits, pool = decode_step(params, cfg, pool, token, at, table)
             out.append(logits)
     return torch.stack(out)
+
+
+def prefill_in_python(params, cfg, pool, prompt, table):
+    """prefill's (logits, pool), the layers run from Python whatever the test chose."""
+    chosen, paged.fused_layers = paged.fused_layers, lambda *args: None
+    try:
+        with torch.no_grad():
+            return prefill(params, cfg, pool, prompt, table, 0)
+    finally:
+        paged.fused_layers = chosen
 
 
 def counted(monkeypatch) -> list[bool]:
@@ -157,3 +170,40 @@ def test_a_plan_keeps_no_weights_alive(monkeypatch):
     del params
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_chunk_of_tokens_is_the_same_tokens_decoded_one_at_a_time(dtype, quantize, monkeypatch):
+    # speculated tokens verified in one call, rows of different lengths (padded): each real
+    # token a row of the C call, attending over its sequence's pages up to its own position
+    params, cfg = model("variants", dtype, quantize, monkeypatch)
+    ran = counted(monkeypatch)
+    lengths = [5, 2, 4]
+    chunks = torch.randint(0, cfg.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+
+    def fresh():
+        pool, pages = alloc_pages(init_pages(cfg, 24, 4, dtype), 24)
+        table = torch.tensor(pages).view(3, 8).flip(1)
+        prompt = torch.randint(
+            0, cfg.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0)
+        )
+        return prefill_in_python(params, cfg, pool, prompt, table)[1], table
+
+    with torch.no_grad():
+        pool, table = fresh()
+        together, _ = prefill_logits(
+            params, cfg, pool, chunks, table, 7, lengths=torch.tensor(lengths)
+        )
+        pool, table = fresh()
+        apart = [[] for _ in lengths]  # each row's tokens one decode step at a time
+        for row, n in enumerate(lengths):
+            for t in range(n):
+                token, at = chunks[row, t : t + 1], torch.tensor([7 + t])
+                logits, pool = decode_step(params, cfg, pool, token, at, table[row : row + 1])
+                apart[row].append(logits[0])
+    assert all(ran)
+    for row, n in enumerate(lengths):
+        for t in range(5):  # a padded position's logits are its row's last real token's
+            expected = apart[row][min(t, n - 1)]
+            assert_close(together[row, t], expected, forward_roundings(cfg, 12))
