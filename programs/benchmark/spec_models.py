@@ -6,18 +6,21 @@ SEP, the document again, the loss on the copy) and "chat": text from a fixed ran
 chain over the vocabulary, whose next token it can predict from the last one but which never
 repeats the prompt. Grounded traffic (quoting the document) is where prompt lookup pays;
 chat-like traffic (continuing chain text) is where only a draft can guess. The draft, a
-quarter of the target's width and half its depth, is distilled from it (astrai/train/distill.py's
-`distill_loss`) on the same rows.
+quarter of the target's width and half its depth (four layers at most), is distilled from it
+(astrai/train/distill.py's `distill_loss`) on the same rows. Each shape trains by its RECIPES
+entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 import astrai as ai
+from astrai.hardware import native_bf16
 from astrai.train.distill import with_teacher_logps
 
 from .models import COMMON, SIZES
@@ -26,6 +29,26 @@ from .speculation import DOC, IGNORE, QUOTE, SEP, VOCAB, copy_batch
 ROW = DOC + 1 + QUOTE  # tokens per training row, copy or chain
 SUCCESSORS = 4  # each token's possible next tokens in the chain; the first is the likeliest
 SPEC_FILE = "bench-spec.json"
+DRAFT_LAYERS = 4  # a draft step must cost a small part of a target step at batch 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How a shape's models are trained: `steps` for the target (a quick run takes its own),
+    `draft_steps` for the draft's distillation (default: as many)."""
+
+    steps: int = 300
+    rows: int = 16
+    lr: float = 2e-3
+    warmup: int | None = None  # default: a tenth of the steps
+    bf16: bool = False  # autocast where bf16 is native: ~2x the steps a second there
+    draft_steps: int | None = None
+
+
+# The 30-layer smol target sits on the loss plateau of an untrained model far longer than the
+# 8-layer small one: at 16 rows and lr 1e-3 or 3e-3 still at ~6.8 after 100 steps; at 8 rows
+# and lr 3e-3 it leaves the plateau after ~150 steps and copies from ~1,000 (docs/benchmarks.md).
+RECIPES = {"smol": Recipe(steps=1200, rows=8, lr=3e-3, warmup=20, bf16=True, draft_steps=400)}
 
 
 def chain_table(vocab: int, seed: int = 5) -> torch.Tensor:
@@ -70,21 +93,22 @@ def _configs(shape: str) -> tuple[ai.ModelConfig, ai.ModelConfig]:
             "vocab_size": VOCAB,
             "hidden_size": max(32, target.hidden_size // 4),
             "intermediate_size": max(64, target.intermediate_size // 4),
-            "num_hidden_layers": max(1, target.num_hidden_layers // 2),
+            "num_hidden_layers": max(1, min(DRAFT_LAYERS, target.num_hidden_layers // 2)),
         }
     )
     return target, draft
 
 
-def _train(cfg, steps: int, table, teacher: Path | None = None) -> dict:
+def _train(cfg, recipe: Recipe, steps: int, table, teacher: Path | None = None, log=print):
     """steps of AdamW on mixed batches; with a teacher folder, distilled from it ([distill])."""
     distill = ai.config.DistillConfig(teacher=str(teacher) if teacher else "")
     train_cfg = ai.TrainConfig(
         model=cfg,
         max_steps=steps,
-        batch_size=16,
-        optimizer=ai.config.OptimizerConfig(lr=2e-3, weight_decay=0.0),
-        schedule=ai.config.ScheduleConfig(warmup_steps=max(1, steps // 10)),
+        batch_size=recipe.rows,
+        optimizer=ai.config.OptimizerConfig(lr=recipe.lr, weight_decay=0.0),
+        schedule=ai.config.ScheduleConfig(warmup_steps=recipe.warmup or max(1, steps // 10)),
+        precision="bfloat16" if recipe.bf16 and native_bf16("cpu") else "float32",
         progress=False,
         compile=False,
         distill=distill,
@@ -92,19 +116,27 @@ def _train(cfg, steps: int, table, teacher: Path | None = None) -> dict:
     state = ai.init_train_state(ai.init_params(cfg, seed=0), train_cfg)
     generator = torch.Generator().manual_seed(0)
     model = ai.load_pretrained(teacher) if teacher else None
-    for _ in range(steps):
-        batch = mixed_batch(table, 16, generator)
+    for step in range(steps):
+        batch = mixed_batch(table, recipe.rows, generator)
         if model is not None:
             batch = with_teacher_logps(batch, model, distill.temperature)
-        state, _ = ai.train_step(state, batch)
+        state, metrics = ai.train_step(state, batch)
+        if (step + 1) % 100 == 0:  # a long recipe says where it is
+            log(
+                f"{'draft' if teacher else 'target'} step {step + 1}/{steps}: loss {float(metrics['loss']):.3f}"
+            )
     return state.params
 
 
-def spec_models(root: Path, shape: str, steps: int) -> tuple[Path, Path]:
+def spec_models(root: Path, shape: str, quick: bool, log=print) -> tuple[Path, Path]:
     """(target folder, draft folder) under root (the benchmark's models folder), trained once
-    for (shape, steps)."""
+    by the shape's recipe (20 steps each when quick)."""
+    recipe = RECIPES.get(shape, Recipe())
+    steps = 20 if quick else recipe.steps
+    draft_steps = 20 if quick else recipe.draft_steps or steps
     folder = root / f"spec-{shape}-{steps}"
-    spec = {"shape": SIZES[shape], "steps": steps, "row": ROW, "vocab": VOCAB}
+    spec = {"shape": SIZES[shape], "recipe": dataclasses.asdict(recipe), "row": ROW, "vocab": VOCAB}
+    spec |= {"steps": steps, "draft_steps": draft_steps}
     target, draft = folder / "target", folder / "draft"
     try:
         if json.loads((folder / SPEC_FILE).read_text()) == spec:
@@ -113,9 +145,9 @@ def spec_models(root: Path, shape: str, steps: int) -> tuple[Path, Path]:
         pass
     table = chain_table(VOCAB)
     target_cfg, draft_cfg = _configs(shape)
-    target_params = _train(target_cfg, steps, table)
-    ai.save_pretrained(target, target_params, target_cfg)
-    ai.save_pretrained(draft, _train(draft_cfg, steps, table, teacher=target), draft_cfg)
+    ai.save_pretrained(target, _train(target_cfg, recipe, steps, table, log=log), target_cfg)
+    draft_params = _train(draft_cfg, recipe, draft_steps, table, teacher=target, log=log)
+    ai.save_pretrained(draft, draft_params, draft_cfg)
     (folder / SPEC_FILE).write_text(json.dumps(spec))
     return target, draft
 

@@ -125,13 +125,12 @@ def speculation(b) -> None:
 
     quick = b.work.new_tokens < 64
     n = 16 if quick else 24  # within the quotes the model learned (QUOTE tokens)
-    steps = 20 if quick else 300
     per_round = 1 if quick else 4  # per round: requests one after another, or batches of 16
-    target, draft = spec_models(b.folder.parent, b.size, steps)
+    target, draft = spec_models(b.folder.parent, b.size, quick, b.log)
     work = dataclasses.replace(
         b.work, prompt_len=DOC + QUOTE + K + 1, new_tokens=n, concurrency=(CONCURRENT,)
     )
-    b.log(f"speculation: models trained {steps} steps: {target.parent}")
+    b.log(f"speculation: models: {target.parent}")
     specs = {
         "plain": _spec(b, target, work, {}),
         "lookup": _spec(b, target, work, {"speculative": "lookup", "speculative_k": K}),
