@@ -226,15 +226,15 @@ def fused_layers(
     slots (int64, one per real token in order), each attending over its row's pages (table
     [B, W] int64) up to its own position. Returns the final normed hidden [B, T, hidden], a
     padded position's that of its row's last real one; None where the model, its weights or
-    the chunk (more tokens than its products run in C at) are not ones the C layers take, and
-    the caller runs the layers itself. Each real token is a row of the C call: a decode step
+    the chunk (more than CHUNK_TOKENS a sequence, more tokens in all than its products run in
+    C at) are not ones the C layers take, and the caller runs the layers itself. Each real token is a row of the C call: a decode step
     has one a sequence, a chunk of a prompt or of speculated tokens several."""
-    if torch.is_grad_enabled() or not takes_model(cfg) or why_absent() is not None:
-        return None
     B, T = positions.shape
+    if T > CHUNK_TOKENS or torch.is_grad_enabled() or not takes_model(cfg) or why_absent():
+        return None
     plan = _kept_plan(params, cfg, x.dtype)
     rows, k, v = slots.numel(), pool["k"], pool["v"]
-    if plan is None or rows > plan.rows or T > CHUNK_TOKENS or not _pool_fits(k, v):
+    if plan is None or rows > plan.rows or not _pool_fits(k, v):
         return None
     positions = cast(positions, torch.long)
     if valid is None:
