@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from astrai.config import ModelConfig
-from astrai.infer.float_gemv import GemvMatrix, kernel_rows
+from astrai.infer.float_gemv import FEW_ROWS, SURE_ROWS, GemvMatrix, kernel_rows
+from astrai.kernels import gemv
 from astrai.kernels.build import kernel_library, why_absent
 from astrai.kernels.pointwise import ACT_CODES
 from astrai.model.layers import cast
@@ -129,23 +130,35 @@ def _keys(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _kernel_run(matrix) -> tuple[object, float] | None:
-    """(the C product `matrix` runs a few rows through, the most rows it does) or None."""
+def _kernel_run(matrix) -> tuple[tuple, float] | None:
+    """(the spec of the C product `matrix` runs a few rows through, the most rows it does), or
+    None. A plain float tensor kept [out, in] (the "rows" layout, where torch's product timed
+    faster alone, as for a small draft's matrices) runs our float product here: in one call
+    there is no Python around it to weigh, and it took the rows of SURE_ROWS / FEW_ROWS as fast
+    as torch's on every CPU measured (astrai/infer/float_gemv.py)."""
+    if isinstance(matrix, torch.Tensor):
+        if matrix.dtype not in (torch.float32, torch.bfloat16) or matrix.shape[-1] % 16:
+            return None
+        if not (matrix.dim() == 2 and matrix.is_cpu and matrix.is_contiguous()):
+            return None
+        bf16 = matrix.dtype == torch.bfloat16
+        spec = (gemv.BFLOAT16 if bf16 else gemv.FLOAT32, (matrix.data_ptr(),), 0)
+        return spec, FEW_ROWS if bf16 else SURE_ROWS
     if isinstance(matrix, GemvMatrix):
-        return matrix.run, kernel_rows(matrix.weight.dtype)
+        return matrix.run.spec, kernel_rows(matrix.weight.dtype)
     run, rows = getattr(matrix, "run", None), math.inf
     if hasattr(run, "few"):  # quant.by_rows: a C product up to `rows`, another beyond
         run, rows = run.few, run.rows
-    return (run, rows) if hasattr(run, "spec") else None
+    return (run.spec, rows) if hasattr(run, "spec") else None
 
 
 def _matrix(params: Params, key: str, dtype: torch.dtype):
     """(the _Matrix of params[f"{key}.weight"], the most rows it runs in C) or None."""
     matrix, bias = params.get(f"{key}.weight"), params.get(f"{key}.bias")
-    found = None if isinstance(matrix, torch.Tensor) else _kernel_run(matrix)
+    found = None if matrix is None else _kernel_run(matrix)
     if found is None:
         return None
-    (kind, pointers, group), rows = found[0].spec, found[1]
+    (kind, pointers, group), rows = found
     out, in_ = matrix.shape
     if bias is not None and not (_usable(bias, dtype) and bias.shape == (out,)):
         return None

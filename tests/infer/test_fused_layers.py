@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 from infer_models import BASE
-from numerics import assert_close, forward_roundings
+from numerics import assert_close, forward_roundings, tolerance
 
 import astrai as ai
 from astrai.infer import (
@@ -207,3 +207,21 @@ def test_a_chunk_of_tokens_is_the_same_tokens_decoded_one_at_a_time(dtype, quant
         for t in range(5):  # a padded position's logits are its row's last real token's
             expected = apart[row][min(t, n - 1)]
             assert_close(together[row, t], expected, forward_roundings(cfg, 12))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_float_matrices_run_our_float_product(dtype, monkeypatch):
+    # matrices kept as torch holds them (the layout a small draft's take where torch's product
+    # times faster alone) run our float product in the call: not torch's bits, its roundings
+    monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: "rows")
+    cfg = MODELS["variants"]
+    params = prepare_params({k: v.to(dtype) for k, v in ai.init_params(cfg, seed=3).items()})
+    assert isinstance(params["model.layers.0.mlp.down_proj.weight"], torch.Tensor)
+    ran = counted(monkeypatch)
+    in_c = decode(params, cfg, dtype, 2, steps=1)
+    assert all(ran)
+    in_python(monkeypatch)
+    expected = decode(params, cfg, dtype, 2, steps=1)
+    scale = expected.abs().max().item()
+    tol = tolerance(forward_roundings(cfg, 10), dtype, scale)
+    torch.testing.assert_close(in_c, expected, **tol)
