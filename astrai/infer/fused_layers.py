@@ -1,12 +1,14 @@
 """A decode step's layers in one C call (astrai/kernels/decode_layers.c), for models whose every
 layer it runs: a plain pre-norm GQA decoder (fused q/k/v and gate/up products, SwiGLU or GeGLU,
-RoPE over whole heads or none), each matrix one of our C products at the call's rows. A chunk
-of a few tokens a sequence (speculated tokens to verify, a short prompt) goes the same way,
-each real token a row of the call.
+RoPE over whole heads or none), each matrix one of our C products at the call's rows or a
+plain float tensor, which our float product takes. A chunk of a few tokens a sequence
+(speculated tokens to verify, a short prompt) goes the same way, each real token a row of the
+call.
 
 The C function calls the kernels the Python path calls, in the same order with the same
-roundings, so a decode step's hidden states are bit for bit the same
-(tests/infer/test_fused_layers.py); it saves the Python and dispatch around them, ~140 us a
+roundings, so where every matrix is one of our products a decode step's hidden states are bit
+for bit the same (tests/infer/test_fused_layers.py; a plain tensor, which the Python path
+multiplies with torch's product, differs by its roundings); it saves the Python and dispatch around them, ~140 us a
 layer (docs/inference.md). Where a model, its prepared weights or a chunk are not ones it
 takes, `fused_layers` returns None and the layers run in Python.
 

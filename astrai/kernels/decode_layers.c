@@ -5,9 +5,11 @@
  *
  * These are the kernels a step's Python calls one by one (pointwise.c, attention.c, the
  * products of gemv.c and float_gemv.c), called in the same order on the same values with the
- * same roundings, so the hidden states are bit for bit that path's. What it saves is the Python
- * and torch dispatch around them: ~140 us a layer of a 17 ms int8 step of a 0.5B shape at batch
- * 1 (a 2-core AMD Zen 4), where the products alone take 13.6 ms.
+ * same roundings, so the hidden states are bit for bit that path's where it multiplies every
+ * matrix by those products. Rows are tokens: one a sequence in a decode step, or a chunk's
+ * consecutive tokens, each with its own position, slot and key count. What it saves is the
+ * Python and torch dispatch around them: ~140 us a layer of a 17 ms int8 step of a 0.5B shape
+ * at batch 1 (a 2-core AMD Zen 4), where the products alone take 13.6 ms.
  *
  * Activations are float32 or bfloat16 bits (`bf16`), [rows][width] contiguous. The products
  * take float32 rows and give float32, which are rounded to the activations' dtype as the Python
