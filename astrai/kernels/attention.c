@@ -263,8 +263,9 @@ int astrai_paged_attention(const float *q, int64_t q_stride, const void *k, cons
 /* One decode step's attention in one call: each row's new token's query and key rotated (cos,
  * sin: NULL in a layer without RoPE), its key and value written to its slot of the pool, then
  * astrai_paged_attention. Rows may be consecutive tokens of one sequence (a chunk flattened,
- * each row with its own slot and key count): every row's K/V is stored before any row attends. qkv: each row's projections, [heads + 2 kv_heads][dim], float32 or
- * bfloat16 bits (bf16_in), rows qkv_stride apart. The errors of astrai_paged_attention, and 4
+ * each row with its own slot and key count): every row's K/V is stored before any row
+ * attends. qkv: each row's projections, [heads + 2 kv_heads][dim], float32 or bfloat16 bits
+ * (bf16_in), rows qkv_stride apart. The errors of astrai_paged_attention, and 4
  * for a slot the pool lacks. */
 int astrai_paged_decode(const void *qkv, int64_t qkv_stride, int bf16_in, const float *cos,
                         const float *sin, const int64_t *slots, void *k, void *v, int bf16,
