@@ -116,15 +116,14 @@ def _train(cfg, recipe: Recipe, steps: int, table, teacher: Path | None = None, 
     state = ai.init_train_state(ai.init_params(cfg, seed=0), train_cfg)
     generator = torch.Generator().manual_seed(0)
     model = ai.load_pretrained(teacher) if teacher else None
-    for step in range(steps):
+    which = "draft" if teacher else "target"
+    for step in range(1, steps + 1):
         batch = mixed_batch(table, recipe.rows, generator)
         if model is not None:
             batch = with_teacher_logps(batch, model, distill.temperature)
         state, metrics = ai.train_step(state, batch)
-        if (step + 1) % 100 == 0:  # a long recipe says where it is
-            log(
-                f"{'draft' if teacher else 'target'} step {step + 1}/{steps}: loss {float(metrics['loss']):.3f}"
-            )
+        if step % 100 == 0:  # a long recipe says where it is
+            log(f"{which} step {step}/{steps}: loss {float(metrics['loss']):.3f}")
     return state.params
 
 
