@@ -1,6 +1,7 @@
 """A decode step's layers in one C call (astrai/infer/fused_layers.py) give bit for bit the
-logits of the same layers run one kernel at a time from Python, for every product it calls,
-and step aside wherever it does not run a model, its weights or a step."""
+logits of the same layers run one kernel at a time from Python, for every product it calls; a
+chunk of tokens in one call gives the logits of the same tokens decoded one at a time; and the
+call steps aside wherever it does not run a model, its weights or a step."""
 
 from __future__ import annotations
 
