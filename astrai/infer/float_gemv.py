@@ -38,13 +38,19 @@ def kernel_rows(dtype: torch.dtype) -> int:
     Zen 4 (where torch's float32 product is MKL's). Its bfloat16 dot products without AMX are
     bound by arithmetic past four rows on a 2-core Intel Xeon, where torch's products (oneDNN,
     on AMX) were 2-3x faster at 16, but led torch's 1.3-2.2x on the AMD Zen 4."""
-    amx = gemv.float_isa() >= gemv.FLOAT_AMX
-    rows = SURE_ROWS if dtype != torch.bfloat16 or amx else FEW_ROWS
+    rows = sure_rows(dtype)
     for more in (n for n in TIMED_ROWS if n > rows):
         if not _kernel_leads_at(more, dtype):
             break
         rows = more
     return rows
+
+
+def sure_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the kernel matched or beat torch's products on every CPU measured,
+    untimed: SURE_ROWS, or FEW_ROWS for bfloat16 dot products without AMX (kernel_rows)."""
+    amx = gemv.float_isa() >= gemv.FLOAT_AMX
+    return SURE_ROWS if dtype != torch.bfloat16 or amx else FEW_ROWS
 
 
 def _seconds(products: dict, rows: int, dtype: torch.dtype, copies: int, shape=(4096, 1024)):

@@ -8,9 +8,9 @@ call.
 The C function calls the kernels the Python path calls, in the same order with the same
 roundings, so where every matrix is one of our products a decode step's hidden states are bit
 for bit the same (tests/infer/test_fused_layers.py; a plain tensor, which the Python path
-multiplies with torch's product, differs by its roundings); it saves the Python and dispatch around them, ~140 us a
-layer (docs/inference.md). Where a model, its prepared weights or a chunk are not ones it
-takes, `fused_layers` returns None and the layers run in Python.
+multiplies with torch's product, differs by its roundings); it saves the Python and dispatch
+around them, ~140 us a layer (docs/inference.md). Where a model, its prepared weights or a
+chunk are not ones it takes, `fused_layers` returns None and the layers run in Python.
 
 The layers' C structures are built once per prepared params and kept while the same weights
 sit under the same keys (weak references: the plan keeps no model alive).
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from astrai.config import ModelConfig
-from astrai.infer.float_gemv import FEW_ROWS, SURE_ROWS, GemvMatrix, kernel_rows
+from astrai.infer.float_gemv import GemvMatrix, kernel_rows, sure_rows
 from astrai.kernels import gemv
 from astrai.kernels.build import kernel_library, why_absent
 from astrai.kernels.pointwise import ACT_CODES
@@ -47,6 +47,7 @@ ERRORS = {
 # attention is torch's fused kernels' work.
 CHUNK_TOKENS = 16
 PLANS_KEPT = 8  # prepared models whose plans are kept (an Engine's target and draft, tests)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # of the activations, the pool, plain matrices
 _int, _float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
 
 
@@ -132,20 +133,17 @@ def _keys(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _kernel_run(matrix) -> tuple[tuple, float] | None:
+def _c_product(matrix) -> tuple[tuple, float] | None:
     """(the spec of the C product `matrix` runs a few rows through, the most rows it does), or
     None. A plain float tensor kept [out, in] (the "rows" layout, where torch's product timed
-    faster alone, as for a small draft's matrices) runs our float product here: in one call
-    there is no Python around it to weigh, and it took the rows of SURE_ROWS / FEW_ROWS as fast
-    as torch's on every CPU measured (astrai/infer/float_gemv.py)."""
+    faster alone, as for a small draft's matrices) runs our float product here, up to the rows
+    it matched torch's at everywhere (float_gemv.sure_rows): in one call there is no Python
+    around it to weigh."""
     if isinstance(matrix, torch.Tensor):
-        if matrix.dtype not in (torch.float32, torch.bfloat16) or matrix.shape[-1] % 16:
+        plain = matrix.dim() == 2 and matrix.is_cpu and matrix.is_contiguous()
+        if not plain or matrix.dtype not in FLOAT_DTYPES or matrix.shape[1] % 16:
             return None
-        if not (matrix.dim() == 2 and matrix.is_cpu and matrix.is_contiguous()):
-            return None
-        bf16 = matrix.dtype == torch.bfloat16
-        spec = (gemv.BFLOAT16 if bf16 else gemv.FLOAT32, (matrix.data_ptr(),), 0)
-        return spec, FEW_ROWS if bf16 else SURE_ROWS
+        return gemv.float_product(matrix).spec, sure_rows(matrix.dtype)
     if isinstance(matrix, GemvMatrix):
         return matrix.run.spec, kernel_rows(matrix.weight.dtype)
     run, rows = getattr(matrix, "run", None), math.inf
@@ -157,7 +155,7 @@ def _kernel_run(matrix) -> tuple[tuple, float] | None:
 def _matrix(params: Params, key: str, dtype: torch.dtype):
     """(the _Matrix of params[f"{key}.weight"], the most rows it runs in C) or None."""
     matrix, bias = params.get(f"{key}.weight"), params.get(f"{key}.bias")
-    found = None if matrix is None else _kernel_run(matrix)
+    found = None if matrix is None else _c_product(matrix)
     if found is None:
         return None
     (kind, pointers, group), rows = found
@@ -242,8 +240,9 @@ def fused_layers(
     [B, W] int64) up to its own position. Returns the final normed hidden [B, T, hidden], a
     padded position's that of its row's last real one; None where the model, its weights or
     the chunk (more than CHUNK_TOKENS a sequence, more tokens in all than its products run in
-    C at) are not ones the C layers take, and the caller runs the layers itself. Each real token is a row of the C call: a decode step
-    has one a sequence, a chunk of a prompt or of speculated tokens several."""
+    C at) are not ones the C layers take, and the caller runs the layers itself. Each real
+    token is a row of the C call: a decode step has one a sequence, a chunk of a prompt or of
+    speculated tokens several."""
     B, T = positions.shape
     if T > CHUNK_TOKENS or torch.is_grad_enabled() or not takes_model(cfg) or why_absent():
         return None
@@ -267,12 +266,7 @@ def fused_layers(
 
 
 def _pool_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
-    return (
-        k.dtype in (torch.float32, torch.bfloat16)
-        and k.is_cpu
-        and k.is_contiguous()
-        and v.is_contiguous()
-    )
+    return k.dtype in FLOAT_DTYPES and k.is_cpu and k.is_contiguous() and v.is_contiguous()
 
 
 def _run(plan: _Plan, cfg: ModelConfig, k, v, x, positions, table, slots) -> torch.Tensor:

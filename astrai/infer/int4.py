@@ -5,8 +5,8 @@ of two products:
 - "weight_only": `torch.ops.aten._weight_int4pack_mm_for_cpu`, activations in bfloat16, the
   4-bit weights dequantized inside the kernel (its float32-activation path is ~50x slower);
 - "gemv": our C kernel (astrai/kernels/gemv.c), activations quantized to int8 per block of 32
-  (of 128 at groups of 128) on each call and integer dot products (AVX-512 VNNI or AVX2), the weights streamed once
-  whatever the number of rows. Absent where there is no C compiler or no AVX2.
+  (of 128 at groups of 128) on each call and integer dot products (AVX-512 VNNI or AVX2), the
+  weights streamed once whatever the number of rows. Absent where there is no C compiler or no AVX2.
 
 Which group size multiplies fastest depends on the CPU and the shape, so prepare_params times
 each that divides the shape (and each product that runs here, astrai/infer/support.py) at load

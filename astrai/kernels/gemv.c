@@ -362,8 +362,10 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
                 int s0 = b0 * BLOCK / a->block, s1 = b1 * BLOCK / a->block;
                 __m256 d0 = dot32(lo, _mm256_loadu_si256((const __m256i *)(xq + b0 * BLOCK)));
                 __m256 d1 = dot32(hi, _mm256_loadu_si256((const __m256i *)(xq + b1 * BLOCK)));
-                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(step[s0] * bf16_to_float(s[b0 / per_group])), acc);
-                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(step[s1] * bf16_to_float(s[b1 / per_group])), acc);
+                float k0 = step[s0] * bf16_to_float(s[b0 / per_group]);
+                float k1 = step[s1] * bf16_to_float(s[b1 / per_group]);
+                acc = _mm256_fmadd_ps(d0, _mm256_set1_ps(k0), acc);
+                acc = _mm256_fmadd_ps(d1, _mm256_set1_ps(k1), acc);
             }
             float offsets = 0.0f;
             for (int g = 0; g < groups; g++)

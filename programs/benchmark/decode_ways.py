@@ -4,8 +4,9 @@
         [--quantize int8] [--dtype float32] [--batch 16] [--context 160] [--rounds 10]
 
 `attention`: each layer reading the keys in their pages (astrai/kernels/attention.c) against
-gathering them for torch's fused kernel, the layers run from Python. `layers`: every layer in one C call
-(astrai/infer/fused_layers.py) against the layers run from Python one kernel at a time. The two
+gathering them for torch's fused kernel, the layers run from Python. `layers`: every layer in
+one C call (astrai/infer/fused_layers.py) against the layers run from Python one kernel at a
+time. The two
 ways differ in that alone, so they run in one process on the same weights and pool, in
 alternating rounds of a few steps, and the median step of each is printed: a drift of the
 machine falls on both. The model is the benchmark's cached one (runs/bench/models).
