@@ -1,7 +1,8 @@
 """A decode step's layers in one C call (astrai/kernels/decode_layers.c), for models whose every
 layer it runs: a plain pre-norm GQA decoder (fused q/k/v and gate/up products, SwiGLU or GeGLU,
 RoPE over whole heads or none), each matrix one of our C products at the call's rows or a
-plain float tensor, which our float product takes. A chunk of a few tokens a sequence
+plain float tensor, which our float product takes (from an [out, in] copy where it is stored
+[in, out], for a small model: COPY_BYTES). A chunk of a few tokens a sequence
 (speculated tokens to verify, a short prompt) goes the same way, each real token a row of the
 call.
 
@@ -47,6 +48,11 @@ ERRORS = {
 # attention is torch's fused kernels' work.
 CHUNK_TOKENS = 16
 PLANS_KEPT = 8  # prepared models whose plans are kept (an Engine's target and draft, tests)
+# A float matrix stored [in, out] (prepare_params' "columns" layout, where torch's product timed
+# fastest alone: small matrices, a draft's) is copied [out, in] for the C products, up to this
+# many bytes a model: one call removes most of a small model's step (a 128-wide 4-layer
+# draft's: 0.58 -> 0.24 ms), where doubling a large model's matrices would cost its memory.
+COPY_BYTES = 64 << 20
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # of the activations, the pool, plain matrices
 _int, _float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
 
@@ -81,6 +87,7 @@ class _Plan:
     dtype: torch.dtype  # of the activations and norms
     intermediate: int
     final_norm: int  # its pointer
+    copies: tuple[torch.Tensor, ...]  # [out, in] copies of matrices stored [in, out]
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,10 +142,9 @@ def _keys(cfg: ModelConfig) -> tuple[str, ...]:
 
 def _c_product(matrix) -> tuple[tuple, float] | None:
     """(the spec of the C product `matrix` runs a few rows through, the most rows it does), or
-    None. A plain float tensor kept [out, in] (the "rows" layout, where torch's product timed
-    faster alone, as for a small draft's matrices) runs our float product here, up to the rows
-    it matched torch's at everywhere (float_gemv.sure_rows): in one call there is no Python
-    around it to weigh."""
+    None. A plain float tensor kept [out, in] (the "rows" layout) runs our float product here,
+    up to the rows it matched torch's at everywhere (float_gemv.sure_rows): in one call there is
+    no Python around it to weigh."""
     if isinstance(matrix, torch.Tensor):
         plain = matrix.dim() == 2 and matrix.is_cpu and matrix.is_contiguous()
         if not plain or matrix.dtype not in FLOAT_DTYPES or matrix.shape[1] % 16:
@@ -152,9 +158,28 @@ def _c_product(matrix) -> tuple[tuple, float] | None:
     return (run.spec, rows) if hasattr(run, "spec") else None
 
 
-def _matrix(params: Params, key: str, dtype: torch.dtype):
-    """(the _Matrix of params[f"{key}.weight"], the most rows it runs in C) or None."""
+def _stored_by_columns(matrix) -> bool:
+    """Whether `matrix` is a float [out, in] view of [in, out]-contiguous storage."""
+    return (
+        isinstance(matrix, torch.Tensor)
+        and matrix.dim() == 2
+        and matrix.dtype in FLOAT_DTYPES
+        and matrix.is_cpu
+        and not matrix.is_contiguous()
+        and matrix.T.is_contiguous()
+    )
+
+
+def _matrix(params: Params, key: str, dtype: torch.dtype, copies: list[torch.Tensor]):
+    """(the _Matrix of params[f"{key}.weight"], the most rows it runs in C) or None. A matrix
+    stored [in, out] is multiplied from an [out, in] copy, appended to `copies`, while they
+    stay within COPY_BYTES."""
     matrix, bias = params.get(f"{key}.weight"), params.get(f"{key}.bias")
+    if _stored_by_columns(matrix):
+        if sum(c.nbytes for c in copies) + matrix.nbytes > COPY_BYTES:
+            return None
+        matrix = matrix.contiguous()
+        copies.append(matrix)
     found = None if matrix is None else _c_product(matrix)
     if found is None:
         return None
@@ -184,7 +209,7 @@ def _usable(t, dtype: torch.dtype) -> bool:
 def _plan(params: Params, cfg: ModelConfig, dtype: torch.dtype) -> _Plan | None:
     """The C structures of the layers, or None where a norm or a product is not one they take."""
     layers, rows = (_Layer * cfg.num_hidden_layers)(), math.inf
-    intermediate = None
+    intermediate, copies = None, []
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}"
         norms = [params.get(f"{p}.{norm}.weight") for norm in NORMS]
@@ -193,7 +218,7 @@ def _plan(params: Params, cfg: ModelConfig, dtype: torch.dtype) -> _Plan | None:
         layer.attn_norm, layer.mlp_norm = (n.data_ptr() for n in norms)
         layer.rotates = int(i not in cfg.nope_layers)
         for name, key in MATRICES.items():
-            if (found := _matrix(params, f"{p}.{key}", dtype)) is None:
+            if (found := _matrix(params, f"{p}.{key}", dtype, copies)) is None:
                 return None
             setattr(layer, name, found[0])
             rows = min(rows, found[1])
@@ -204,7 +229,7 @@ def _plan(params: Params, cfg: ModelConfig, dtype: torch.dtype) -> _Plan | None:
     final = params.get("model.norm.weight")
     if not _usable(final, dtype) or kernel_library() is None:
         return None
-    return _Plan(layers, rows, dtype, intermediate, final.data_ptr())
+    return _Plan(layers, rows, dtype, intermediate, final.data_ptr(), tuple(copies))
 
 
 def _kept_plan(params: Params, cfg: ModelConfig, dtype: torch.dtype) -> _Plan | None:

@@ -52,6 +52,7 @@ from astrai.infer.draft import (
 from astrai.infer.events import Logprob
 from astrai.infer.lookup import LookupIndex, extend_lookup, init_lookup, propose_lookup
 from astrai.infer.pages import alloc_pages, num_free_pages, pages_for
+from astrai.infer.prepare import prepare_params
 from astrai.infer.proposal import Proposal
 from astrai.infer.sampling import token_logprobs
 from astrai.infer.scheduler import Scheduler
@@ -117,7 +118,10 @@ class Speculator:
 
 def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None:
     """The speculator of an engine with resolved `config`; None when it does not speculate.
-    A draft model is read from `config.draft_model`, in the engine's dtype and device."""
+    A draft model is read from `config.draft_model`, in the engine's dtype and device, and
+    prepared for decoding in float (prepare_params; its weights are few, and quantized ones
+    would only propose worse): unprepared, a 128-wide 4-layer draft's step took 0.90 ms in
+    Python where its layers run in one C call, 0.24 ms."""
     if config.speculative is None:
         return None
     spec = Speculator(config.speculative, config.speculative_k, config.lookup_ngram)
@@ -128,6 +132,7 @@ def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None
         except ValueError as exc:
             raise ValueError(f"draft_model: {exc}") from None
         dtype, pages = DTYPES[config.dtype], config.num_pages
+        params = prepare_params(params)
         spec.draft = init_draft(params, draft_cfg, pages, config.page_size, dtype, config.device)
         spec.draft_cost = draft_step_cost(draft_cfg, cfg)
     return spec

@@ -210,14 +210,17 @@ def test_a_chunk_of_tokens_is_the_same_tokens_decoded_one_at_a_time(dtype, quant
             assert_close(together[row, t], expected, forward_roundings(cfg, 12))
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plain_float_matrices_run_our_float_product(dtype, monkeypatch):
-    # matrices kept as torch holds them (the layout a small draft's take where torch's product
-    # times faster alone) run our float product in the call: not torch's bits, its roundings
-    monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: "rows")
+def test_plain_float_matrices_run_our_float_product(dtype, layout, monkeypatch):
+    # matrices kept as torch holds them, or stored [in, out] (the layouts a small draft's take
+    # where torch's product times faster alone), run our float product in the call: not
+    # torch's bits, its roundings
+    monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: layout)
     cfg = MODELS["variants"]
     params = prepare_params({k: v.to(dtype) for k, v in ai.init_params(cfg, seed=3).items()})
-    assert isinstance(params["model.layers.0.mlp.down_proj.weight"], torch.Tensor)
+    down = params["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, torch.Tensor) and down.is_contiguous() == (layout == "rows")
     ran = counted(monkeypatch)
     in_c = decode(params, cfg, dtype, 2, steps=1)
     assert all(ran)
@@ -226,3 +229,18 @@ def test_plain_float_matrices_run_our_float_product(dtype, monkeypatch):
     scale = expected.abs().max().item()
     tol = tolerance(forward_roundings(cfg, 10), dtype, scale)
     torch.testing.assert_close(in_c, expected, **tol)
+
+
+def test_matrices_stored_by_columns_are_copied_within_a_budget(monkeypatch):
+    # past the budget for copies [out, in] the layers run in Python
+    monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: "columns")
+    cfg, dtype = MODELS["plain"], torch.float32
+    params = prepare_params(ai.init_params(cfg, seed=3))
+    layer = sum(params[f"model.layers.0.{m}.weight"].nbytes for m in fused.MATRICES.values())
+    ran = counted(monkeypatch)
+    for budget, in_c in ((cfg.num_hidden_layers * layer, True), (layer, False)):
+        monkeypatch.setattr(fused, "COPY_BYTES", budget)
+        fused._kept.clear()
+        ran.clear()
+        decode(params, cfg, dtype, 1)
+        assert ran and all(r == in_c for r in ran)
