@@ -120,8 +120,8 @@ def init_speculator(config: EngineConfig, cfg: ModelConfig) -> Speculator | None
     """The speculator of an engine with resolved `config`; None when it does not speculate.
     A draft model is read from `config.draft_model`, in the engine's dtype and device, and
     prepared for decoding in float (prepare_params; its weights are few, and quantized ones
-    would only propose worse): unprepared, a 128-wide 4-layer draft's step took 0.90 ms in
-    Python where its layers run in one C call, 0.24 ms."""
+    would only propose worse): a 128-wide 4-layer draft's step took 0.90 ms unprepared, its
+    layers run from Python, and 0.24 ms prepared, its layers in one C call."""
     if config.speculative is None:
         return None
     spec = Speculator(config.speculative, config.speculative_k, config.lookup_ngram)
