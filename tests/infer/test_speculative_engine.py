@@ -124,6 +124,15 @@ def test_draft_with_another_vocabulary_is_refused(target, tmp_path):
         init_engine(params, cfg, None, speculative="draft", draft_model=str(tmp_path))
 
 
+def test_the_draft_is_prepared_for_decoding(target, drafts):
+    # its sibling projections fused and laid out as prepare_params lays out the target's
+    params, cfg = target
+    state = init_engine(params, cfg, None, speculative="draft", draft_model=drafts["other"])
+    draft = state.spec.draft.params
+    assert "model.layers.0.self_attn.qkv_proj.weight" in draft
+    assert "model.layers.0.self_attn.q_proj.weight" not in draft
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
