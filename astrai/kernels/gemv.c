@@ -204,6 +204,26 @@ AVX512 INLINE __m512 offsets16(const uint16_t *scale, const uint16_t *zero, __mm
     return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
 }
 
+/* One weight row's outputs for NX activation rows from x0: the offsets' share of each group
+ * into the row's accumulators `acc` (one reduction an output, the offsets converted once a
+ * weight row and 16 groups), then y. */
+AVX512 INLINE void int4_finish(__m512 *acc, const uint16_t *scale, const uint16_t *zero,
+                               const Activations *a, float *y, int out, int row, int x0,
+                               const int NX, int groups) {
+    const size_t at = (size_t)row * groups;
+    for (int g = 0; g < groups; g += 16) {
+        __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512 off = offsets16(scale + at + g, zero + at + g, m);
+#pragma GCC unroll 16
+        for (int i = 0; i < NX; i++) {
+            const float *sums = a->group_sum + (size_t)(x0 + i) * groups + g;
+            acc[i] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(m, sums), acc[i]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NX; i++) y[(size_t)(x0 + i) * out + row] = hsum512(acc[i]);
+}
+
 /* Every loop over R, NX and the pairs of a group is unrolled (the pragmas): with the counts
  * constants once inlined, the accumulators then live in registers, where a loop left rolled
  * keeps the whole array in memory. The offsets' share goes into the same accumulators (one
@@ -260,22 +280,9 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
         }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) {
-        if (ROW(r) >= out)
-            continue;
-        const size_t at = (size_t)ROW(r) * groups;
-        for (int g = 0; g < groups; g += 16) { /* the offsets' share, into the same sums */
-            __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
-            __m512 off = offsets16(scale + at + g, zero + at + g, m);
-#pragma GCC unroll 16
-            for (int i = 0; i < NX; i++) {
-                const float *sums = a->group_sum + (size_t)(x0 + i) * groups + g;
-                acc[r][i] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(m, sums), acc[r][i]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int i = 0; i < NX; i++) y[(size_t)(x0 + i) * out + ROW(r)] = hsum512(acc[r][i]);
-    }
+    for (int r = 0; r < R; r++)
+        if (ROW(r) < out)
+            int4_finish(acc[r], scale, zero, a, y, out, ROW(r), x0, NX, groups);
 }
 
 /* int4_tile512 for many activation rows: R weight rows from `row0` (side by side) times NX
@@ -331,22 +338,9 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
         }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) {
-        if (row0 + r >= out)
-            continue;
-        const size_t at = (size_t)(row0 + r) * groups;
-        for (int g = 0; g < groups; g += 16) {
-            __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
-            __m512 off = offsets16(scale + at + g, zero + at + g, m);
-#pragma GCC unroll 16
-            for (int i = 0; i < NX; i++) {
-                const float *sums = a->group_sum + (size_t)(x0 + i) * groups + g;
-                acc[r][i] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(m, sums), acc[r][i]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int i = 0; i < NX; i++) y[(size_t)(x0 + i) * out + row0 + r] = hsum512(acc[r][i]);
-    }
+    for (int r = 0; r < R; r++)
+        if (row0 + r < out)
+            int4_finish(acc[r], scale, zero, a, y, out, row0 + r, x0, NX, groups);
 }
 
 #define INT4_TILES(G)                                                                    \
