@@ -425,14 +425,16 @@ def _check_speculative(owner: object) -> None:
 class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """[optimizer]: the update rule, its hyper-parameters and gradient clipping."""
 
-    name: Literal["adamw", "sgd", "lion"] = "adamw"
-    """`adamw`, `sgd` (with momentum) or `lion`."""
+    name: Literal["adamw", "sgd", "lion", "muon"] = "adamw"
+    """`adamw`, `sgd` (with momentum), `lion`, or `muon` (Muon on the hidden matrices, AdamW on
+    the embeddings, head, norms and biases, one learning rate for both)."""
     lr: float = 3e-4
     """Peak learning rate (the schedule scales it)."""
     beta1: float = 0.9
-    """adamw, lion: first-moment decay."""
+    """adamw, lion, muon (its AdamW part): first-moment decay."""
     beta2: float = 0.95
-    """adamw, lion: second-moment decay (lion: of the momentum it keeps)."""
+    """adamw, lion, muon (its AdamW part): second-moment decay (lion: of the momentum it
+    keeps)."""
     eps: float = 1e-8
     """adamw: added to the denominator."""
     weight_decay: float = 0.1
@@ -441,6 +443,8 @@ class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """sgd: momentum."""
     nesterov: bool = False
     """sgd: Nesterov momentum."""
+    muon_momentum: float = 0.95
+    """muon: the hidden matrices' momentum (Nesterov)."""
     decay_norms: bool = False
     """Also decay norm gains."""
     decay_biases: bool = False
@@ -448,14 +452,14 @@ class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decay_embeddings: bool = False
     """Also decay the embedding matrix."""
     fused: bool = True
-    """adamw: torch's fused kernel instead of the foreach one."""
+    """adamw, muon (its AdamW part): torch's fused kernel instead of the foreach one."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping."""
 
     def __post_init__(self) -> None:
         _require_positive(self, "lr", "eps")
         _require_non_negative(self, "weight_decay", "momentum", "max_grad_norm")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
@@ -885,6 +889,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "compile = true": self.compile is True,
             "grad_engine 'func'": self.grad_engine == "func",
             "grpo rollouts (sampling needs whole weights)": self.rollouts,
+            "optimizer 'muon' (it orthogonalizes whole matrices)": self.optimizer.name == "muon",
         }
         for what, present in unsupported.items():
             if present:

@@ -12,14 +12,19 @@ from hypothesis import strategies as st
 from numerics import assert_close
 
 from astrai.config import ScheduleConfig
+from astrai.hardware import native_bf16
 from astrai.train.optim import (
     AdamState,
     MomentumState,
+    MuonState,
     adamw,
     decay_mask,
     fused_adamw_available,
     lion,
     moments,
+    muon,
+    muon_mask,
+    orthogonalize,
     sgd,
 )
 from astrai.train.schedules import lr_at
@@ -122,7 +127,7 @@ def _run_scaled(params, optimizer, steps, lrs, scale, by_optimizer):
     return params, moments(state)
 
 
-@pytest.mark.parametrize("name", ["adamw", "fused_adamw", "sgd", "lion"])
+@pytest.mark.parametrize("name", ["adamw", "fused_adamw", "sgd", "lion", "muon"])
 def test_grad_scale_is_the_same_as_scaling_the_gradients_first(name):
     """train_step hands its averaging and clipping factor to the optimizer (the fused kernel
     applies it as it reads each gradient): the same update as gradients scaled beforehand."""
@@ -132,6 +137,7 @@ def test_grad_scale_is_the_same_as_scaling_the_gradients_first(name):
         "fused_adamw": lambda: adamw(0.9, 0.99, 1e-8, 0.1, mask, fused=True),
         "sgd": lambda: sgd(0.9, weight_decay=0.1, mask=mask),
         "lion": lambda: lion(0.9, 0.99, 0.1, mask),
+        "muon": lambda: muon(weight_decay=0.1, mask=mask),
     }[name]
     given, given_moments = _run_scaled(params, make(), 3, LRS, scale, by_optimizer=True)
     first, first_moments = _run_scaled(params, make(), 3, LRS, scale, by_optimizer=False)
@@ -198,6 +204,108 @@ def test_optimizers_update_in_place_and_count():
     for make in (sgd, lion):
         _, state = make().update(params, _grads(params, 0), make().init(params), 1e-2)
         assert isinstance(state, MomentumState) and state.count == 1
+    _, state = muon().update(params, _grads(params, 0), muon().init(params), 1e-2)
+    assert isinstance(state, MuonState) and state.count == 1
+    # AdamW's second moment only where AdamW runs: none kept for the hidden matrices
+    assert [k for k, v in state.v.items() if v.numel() == 0] == [
+        "model.layers.0.self_attn.q_proj.weight"
+    ]
+
+
+# --- Muon ---------------------------------------------------------------------------------
+
+
+def _muon_params():
+    """_params with hidden matrices of the three orientations: square, tall and wide."""
+    g = torch.Generator().manual_seed(1)
+    return _params() | {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(12, 4, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(4, 12, generator=g),
+        "model.layers.1.mlp.up_proj.weight": torch.randn(12, 4, generator=g),
+    }
+
+
+def test_muon_takes_the_hidden_matrices_only():
+    assert muon_mask(_muon_params()) == {
+        "model.embed_tokens.weight": False,
+        "model.layers.0.self_attn.q_proj.weight": True,
+        "model.layers.0.self_attn.q_proj.bias": False,
+        "model.layers.0.input_layernorm.weight": False,
+        "lm_head.weight": False,
+        "model.layers.0.mlp.up_proj.weight": True,
+        "model.layers.0.mlp.down_proj.weight": True,
+        "model.layers.1.mlp.up_proj.weight": True,
+    }
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (48, 16), (16, 48), (3, 24, 8)])
+def test_orthogonalize_keeps_the_singular_vectors_and_flattens_the_values(shape):
+    """For x = U diag(s) V^T with singular values over 1.5 decades, at any overall scale: the
+    result is U diag(s') V^T with every s' near 1 (the five quintic steps trade exactness for
+    speed: within about 0.7-1.2). A leading dimension is a batch of independent matrices."""
+    g = torch.Generator().manual_seed(0)
+    *batch, rows, cols = shape
+    k = min(rows, cols)
+    u = torch.linalg.qr(torch.randn(*batch, rows, k, generator=g)).Q
+    v = torch.linalg.qr(torch.randn(*batch, cols, k, generator=g)).Q
+    s = torch.logspace(-1.5, 0, k)[torch.randperm(k, generator=g)]
+    x = 1e3 * u @ torch.diag_embed(s) @ v.mT
+    inside = u.mT @ orthogonalize(x) @ v  # diag(s') if the singular vectors are kept
+    values = torch.diagonal(inside, dim1=-2, dim2=-1)
+    assert values.min() > 0.6 and values.max() < 1.25, values
+    # five steps, each rounding sums of up to 48 products in the iteration's dtype
+    dtype = torch.bfloat16 if native_bf16("cpu") else torch.float32
+    atol = 5 * math.sqrt(48) * torch.finfo(dtype).eps
+    torch.testing.assert_close(inside, torch.diag_embed(values), rtol=0, atol=atol)
+    for i in range(batch[0] if batch else 0):
+        torch.testing.assert_close(orthogonalize(x)[i], orthogonalize(x[i]), rtol=0, atol=atol)
+
+
+def test_muon_matches_its_definition():
+    """Step for step against the update written out matrix by matrix (the formula in muon's
+    docstring), and AdamW on everything else."""
+    params, steps = _muon_params(), 4
+    mask, chosen = decay_mask(params), muon_mask(params)
+    ours = _our_run(params, muon(0.95, True, 5, 0.9, 0.95, 1e-8, 0.1, mask), steps, LRS)
+    all_adam = _torch_run(
+        params,
+        lambda g: torch.optim.AdamW(g, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+        mask,
+        steps,
+        LRS,
+    )
+    adam_ref = {k: v for k, v in all_adam.items() if not chosen[k]}
+    ref = {k: v.clone() for k, v in params.items() if chosen[k]}
+    buf = {k: torch.zeros_like(v) for k, v in ref.items()}
+    for step in range(steps):
+        grads, lr = _grads(params, step), LRS[step]
+        for k in ref:
+            buf[k] = 0.95 * buf[k] + 0.05 * grads[k]
+            direction = 0.05 * grads[k] + 0.95 * buf[k]
+            scale = 0.2 * max(ref[k].shape) ** 0.5
+            ref[k] = ref[k] * (1 - lr * 0.1) - lr * scale * orthogonalize(direction)
+    for k in params:
+        assert_close(ours[k], (ref | adam_ref)[k], PER_STEP * steps)
+
+
+def test_muon_agrees_with_torch_optim_muon():
+    """torch.optim.Muon (adjust_lr_fn="match_rms_adamw") runs its Newton-Schulz steps in bf16
+    on every device, ours in float32 off CUDA: the same updates within bf16's roundings."""
+    params = {k: v for k, v in _muon_params().items() if muon_mask(_muon_params())[k]}
+    ours = _our_run(params, muon(0.95, weight_decay=0.1), 3, LRS)
+    tensors = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = torch.optim.Muon(
+        tensors.values(), weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw"
+    )
+    for step in range(3):
+        opt.param_groups[0]["lr"] = LRS[step]
+        for k, t in tensors.items():
+            t.grad = _grads(params, step)[k]
+        opt.step()
+    for k in params:
+        moved_ours, moved_torch = ours[k] - params[k], tensors[k].detach() - params[k]
+        # each of 5 steps x 3 updates rounds the whole iterate to bf16 (8 bits)
+        torch.testing.assert_close(moved_ours, moved_torch, rtol=0, atol=15 * 2**-8 * 0.1)
 
 
 # --- schedules ----------------------------------------------------------------------------

@@ -101,9 +101,13 @@ class Interrupted(Exception):
     pass
 
 
-def test_resumed_run_matches_a_straight_run(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resumed_run_matches_a_straight_run(tmp_path, optimizer):
     overrides = dict(
-        max_steps=12, checkpoint_every=4, schedule={"name": "cosine", "warmup_steps": 3}
+        max_steps=12,
+        checkpoint_every=4,
+        schedule={"name": "cosine", "warmup_steps": 3},
+        optimizer={"name": optimizer},
     )
     straight = train(tiny_train_config(out_dir=str(tmp_path / "a"), **overrides))
     cfg = tiny_train_config(out_dir=str(tmp_path / "b"), **overrides)

@@ -288,6 +288,7 @@ def test_run_with_a_killed_rank_resumes_from_the_last_sharded_checkpoint(tmp_pat
         ({"lora": {"rank": 4}}, "lora.rank"),
         ({"compile": True}, "compile"),
         ({"grad_engine": "func"}, "grad_engine"),
+        ({"optimizer": {"name": "muon"}}, "optimizer 'muon'"),
     ],
 )
 def test_sharded_mode_names_what_it_does_not_support(setting, words):
