@@ -871,6 +871,11 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self._check_sharded()
         if self.distill.teacher and self.kind not in ("seq", "sft"):
             raise ValueError(f"distill.teacher: kind must be 'seq' or 'sft', got {self.kind!r}")
+        if self.optimizer.name == "muon" and self.lora.rank:
+            raise ValueError(
+                "optimizer 'muon' does not train LoRA adapters (their low-rank factors learned "
+                "slower than with AdamW); use optimizer.name 'adamw' with lora.rank > 0"
+            )
 
     @property
     def rollouts(self) -> bool:

@@ -283,7 +283,7 @@ def muon_mask(params: Tree) -> Tree:
 
     if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
         return {k: is_hidden_matrix(k, v) for k, v in params.items()}
-    return tree_map(lambda t: t.dim() >= 2, params)  # nested trees (LoRA): every factor
+    return tree_map(lambda t: t.dim() >= 2, params)  # nested trees: every matrix
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -331,10 +331,11 @@ def muon(
     Each matrix steps along its momentum made (nearly) orthogonal: every direction of the
     update gets the same size, so the rare directions the gradient underweights learn as fast
     as the common ones, and a given loss comes in fewer steps than with AdamW (the demo's
-    pretraining: AdamW's loss at step 500 by step 250; docs/training.md). Per matrix: buf <- lerp(buf, g, 1 - momentum); u <- lerp(g,
-    buf, momentum) with Nesterov, else buf; p <- p * (1 - lr * wd) - lr * muon_scale * NS(u),
-    as `torch.optim.Muon` with adjust_lr_fn="match_rms_adamw". `matrices` is the tree of bools
-    choosing Muon's tensors (default `muon_mask(params)`), `mask` the weight-decay mask.
+    pretraining: AdamW's loss at step 500 by step 250; docs/training.md). Per matrix:
+    buf <- lerp(buf, g, 1 - momentum); u <- lerp(g, buf, momentum) with Nesterov, else buf;
+    p <- p * (1 - lr * wd) - lr * muon_scale * NS(u), as `torch.optim.Muon` with
+    adjust_lr_fn="match_rms_adamw". `matrices` is the tree of bools choosing Muon's tensors
+    (default `muon_mask(params)`), `mask` the weight-decay mask.
     """
 
     def chosen(params: Tree) -> list[bool]:
@@ -348,21 +349,23 @@ def muon(
     def update(
         params: Tree, grads: Tree, state: MuonState, lr: float, grad_scale: float = 1.0
     ) -> tuple[Tree, MuonState]:
-        leaves = [tree_flatten(params)[0]]
-        leaves += [leaves_like(t, params) for t in (grads, state.m, state.v)]
-        leaves.append(_mask_leaves(params, mask))
-        is_matrix = chosen(params)
+        p = tree_flatten(params)[0]
+        g, m, v = (leaves_like(t, params) for t in (grads, state.m, state.v))
+        decays, is_matrix = _mask_leaves(params, mask), chosen(params)
+
+        def part(leaves: list, of_matrices: bool) -> list:
+            return [x for x, c in zip(leaves, is_matrix) if c == of_matrices]
+
         count = state.count + 1
-        rest = [[x for x, c in zip(xs, is_matrix) if not c] for xs in leaves]
-        if rest[0]:
-            p, g, m, v, decays = rest
+        if not all(is_matrix):
+            adam_leaves = (part(xs, False) for xs in (p, g, m, v, decays))
             hyper = (lr, beta1, beta2, eps, weight_decay, grad_scale, fused)
-            _adam_leaves(p, g, m, v, decays, count, *hyper)
-        p, g, m, _, decays = [[x for x, c in zip(xs, is_matrix) if c] for xs in leaves]
-        if p:
-            _scale(g, grad_scale)
-            _decay(p, decays, lr, weight_decay)
-            _muon(p, g, m, lr, momentum, nesterov, ns_steps)
+            _adam_leaves(*adam_leaves, count, *hyper)
+        if any(is_matrix):
+            mp, mg, mm, md = (part(xs, True) for xs in (p, g, m, decays))
+            _scale(mg, grad_scale)
+            _decay(mp, md, lr, weight_decay)
+            _muon(mp, mg, mm, lr, momentum, nesterov, ns_steps)
         return params, state._replace(count=count)
 
     return Optimizer(init, update)

@@ -157,6 +157,7 @@ def test_program_trains_plots_and_reports_bad_configs(tmp_path):
         ({"data": {"source": "shards"}}, ["data.train"]),
         ({"bogus": 1}, ["bogus"]),
         ({"grad_engine": "func", "activation_checkpointing": True}, ["grad_engine"]),
+        ({"optimizer": {"name": "muon"}, "lora": {"rank": 4}}, ["'muon'", "LoRA", "adamw"]),
     ],
 )
 def test_bad_config_errors_name_the_key_and_the_file(tmp_path, overrides, words):
