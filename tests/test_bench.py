@@ -192,6 +192,19 @@ def test_quantized_run_reports_the_products_that_ran(tmp_path, capsys):
     assert "our matrix products" in capsys.readouterr().out
 
 
+def test_the_int8_product_peak_is_measured_and_above_the_float32_one():
+    """Quantized runs' roofline takes the int8 product's peak: the float32 peak would cap the
+    int8 / int4 kernels below what they run at (a 1B int4 step at 16 rows read 140% of it)."""
+    from benchmark.limits import int8_matmul_gops, matmul_gflops
+
+    from astrai.hardware import cpu_flags
+
+    cpu = torch.device("cpu")
+    assert int8_matmul_gops(cpu, n=256, repeats=2) > 0
+    if "avx512_vnni" in cpu_flags() or "avx_vnni" in cpu_flags():
+        assert int8_matmul_gops(cpu, n=512, repeats=3) > matmul_gflops(cpu, torch.float32, 512)
+
+
 def test_roofline_is_memory_bound_at_batch_1_and_compute_bound_when_large():
     cfg = ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
     limits = {

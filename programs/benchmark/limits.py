@@ -60,6 +60,18 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 1024) -> fl
     return matmul_peak_gflops(device, dtype, n)
 
 
+def int8_matmul_gops(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """Peak int8 product speed in GOP/s (torch._int_mm, int8 x int8 -> int32, square n x n):
+    the compute ceiling of the int8 and int4 weights' kernels, which multiply integers (VNNI,
+    DP4A), where the float matmul peak is 2-4x lower and would cap their roofline below what
+    they run at. The float peak of `dtype` where torch has no int8 product for `device`."""
+    a = torch.ones(n, n, dtype=torch.int8, device=device)
+    try:
+        return _best_rate(lambda: torch._int_mm(a, a), 2 * n**3, device, repeats)
+    except (RuntimeError, AttributeError):
+        return matmul_gflops(device, torch.float32, n)
+
+
 def _best_rate(fn, units: int, device: torch.device, repeats: int) -> float:
     fn()  # first touch: page faults and kernel selection are not speed
     best = min(timed(fn, device)[0] for _ in range(repeats))

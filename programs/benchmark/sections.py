@@ -22,6 +22,7 @@ from .limits import (
     decode_bytes_per_token,
     decode_flops_per_token,
     gguf_bytes_per_token,
+    int8_matmul_gops,
     matmul_gflops,
     mean_kv_bytes,
     roofline_fraction,
@@ -370,7 +371,8 @@ def limit(b: Bench) -> None:
     bw = stream_bandwidth(b.device, n) | {
         "read, weights-sized": weights_read_bandwidth(b.device, weights)
     }
-    gflops = matmul_gflops(b.device, b.dtype)
+    # quantized weights are multiplied as integers: their ceiling is the int8 product's
+    gflops = int8_matmul_gops(b.device) if b.quantize else matmul_gflops(b.device, b.dtype)
     old = b.extra.get("limits", {})
     best = {k: max(v, old.get("stream_gb_s", {}).get(k, 0.0)) for k, v in bw.items()}
     b.extra["limits"] = {
@@ -392,8 +394,8 @@ def limit_rows(b: Bench) -> None:
         return
     for name, value in limits["stream_gb_s"].items():
         b.rows.append(figure("limit", f"memory bandwidth, {name}", "GB/s", value))
-    dtype = str(b.dtype).removeprefix("torch.")
-    b.rows.append(figure("limit", f"matmul peak, {dtype}", "GFLOP/s", limits["matmul_gflops"]))
+    peak, unit = ("int8 products", "GOP/s") if b.quantize else (str(b.dtype)[6:], "GFLOP/s")
+    b.rows.append(figure("limit", f"matmul peak, {peak}", unit, limits["matmul_gflops"]))
     for batch in (1, *b.work.concurrency):
         roof = roofline_tokens_per_s(limits, batch)
         b.rows.append(figure("limit", f"decode roofline, batch {batch}", "tok/s", roof))
