@@ -64,7 +64,7 @@ def int8_matmul_gops(device: torch.device, n: int = 1024, repeats: int = 5) -> f
     """Peak int8 product speed in GOP/s (torch._int_mm, int8 x int8 -> int32, square n x n):
     the compute ceiling of the int8 and int4 weights' kernels, which multiply integers (VNNI,
     DP4A), where the float matmul peak is 2-4x lower and would cap their roofline below what
-    they run at. The float peak of `dtype` where torch has no int8 product for `device`."""
+    they run at. The float32 peak where torch has no int8 product for `device`."""
     a = torch.ones(n, n, dtype=torch.int8, device=device)
     try:
         return _best_rate(lambda: torch._int_mm(a, a), 2 * n**3, device, repeats)

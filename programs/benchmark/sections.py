@@ -394,7 +394,8 @@ def limit_rows(b: Bench) -> None:
         return
     for name, value in limits["stream_gb_s"].items():
         b.rows.append(figure("limit", f"memory bandwidth, {name}", "GB/s", value))
-    peak, unit = ("int8 products", "GOP/s") if b.quantize else (str(b.dtype)[6:], "GFLOP/s")
+    dtype = str(b.dtype).removeprefix("torch.")
+    peak, unit = ("int8 products", "GOP/s") if b.quantize else (dtype, "GFLOP/s")
     b.rows.append(figure("limit", f"matmul peak, {peak}", unit, limits["matmul_gflops"]))
     for batch in (1, *b.work.concurrency):
         roof = roofline_tokens_per_s(limits, batch)
