@@ -78,18 +78,18 @@ def _our_run(params, optimizer, steps, lrs):
 LRS = [1e-2, 2e-2, 5e-3, 1e-2, 1e-3, 3e-2]
 
 
+def _torch_adamw_run(params, mask, steps):
+    """`steps` of torch.optim.AdamW (betas 0.9, 0.95; weight decay 0.1 where `mask` says)."""
+    make = lambda g: torch.optim.AdamW(g, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # noqa: E731
+    return _torch_run(params, make, mask, steps, LRS)
+
+
 def test_adamw_matches_torch_step_for_step():
     params = _params()
     mask = decay_mask(params)
     for steps in range(1, len(LRS) + 1):
         ours = _our_run(params, adamw(0.9, 0.95, 1e-8, 0.1, mask), steps, LRS)
-        ref = _torch_run(
-            params,
-            lambda g: torch.optim.AdamW(g, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-            mask,
-            steps,
-            LRS,
-        )
+        ref = _torch_adamw_run(params, mask, steps)
         for k in params:
             assert_close(ours[k], ref[k], PER_STEP * steps)
 
@@ -267,13 +267,7 @@ def test_muon_matches_its_definition():
     params, steps = _muon_params(), 4
     mask, chosen = decay_mask(params), muon_mask(params)
     ours = _our_run(params, muon(0.95, True, 5, 0.9, 0.95, 1e-8, 0.1, mask), steps, LRS)
-    all_adam = _torch_run(
-        params,
-        lambda g: torch.optim.AdamW(g, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-        mask,
-        steps,
-        LRS,
-    )
+    all_adam = _torch_adamw_run(params, mask, steps)
     adam_ref = {k: v for k, v in all_adam.items() if not chosen[k]}
     ref = {k: v.clone() for k, v in params.items() if chosen[k]}
     buf = {k: torch.zeros_like(v) for k, v in ref.items()}
