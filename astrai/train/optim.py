@@ -87,10 +87,16 @@ def decay_mask(
             return decay_norms
         return True
 
-    if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
-        return {k: wants_decay(k, v) for k, v in params.items()}
     # Nested trees (the LoRA "weights"): every low-rank factor is a matrix and is decayed.
-    return tree_map(lambda t: t.dim() >= 2 or decay_norms, params)
+    return _path_mask(params, wants_decay, lambda t: t.dim() >= 2 or decay_norms)
+
+
+def _path_mask(params: Tree, by_path: Callable, nested: Callable) -> Tree:
+    """A tree of bools like `params`: by_path(name, tensor) over a flat dict of named tensors
+    (a model's params), nested(tensor) over any other tree, whose leaves have no paths."""
+    if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
+        return {k: by_path(k, v) for k, v in params.items()}
+    return tree_map(nested, params)
 
 
 def leaves_like(tree: Tree, like: Tree) -> list:
@@ -281,9 +287,7 @@ def muon_mask(params: Tree) -> Tree:
     def is_hidden_matrix(path: str, t: torch.Tensor) -> bool:
         return t.dim() >= 2 and "embed_tokens" not in path and "lm_head" not in path
 
-    if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
-        return {k: is_hidden_matrix(k, v) for k, v in params.items()}
-    return tree_map(lambda t: t.dim() >= 2, params)  # nested trees: every matrix
+    return _path_mask(params, is_hidden_matrix, lambda t: t.dim() >= 2)  # nested: every matrix
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
