@@ -137,11 +137,12 @@ DENSE_CHUNK = 1 << 22  # weights dequantized at a time: 16 MB in float32, held i
 
 def unpack_gemv(nibbles: torch.Tensor, tiles: slice, in_features: int) -> torch.Tensor:
     """The levels q (uint8 [rows, in]) of the kernel's tiles `tiles` (gemv.pack_int4's layout,
-    TILE weight rows a tile), undone: byte j of a PAIR holds input j low and 32 + j high."""
+    TILE weight rows a tile), undone: byte j of a unit's `half` bytes holds input j low and
+    half + j high."""
     part = nibbles[tiles]
-    tiles_, pairs, tile, block = part.shape
-    levels = torch.stack([part & 15, part >> 4], 3)  # [tiles, pairs, TILE, 2, 32]
-    return levels.transpose(1, 2).reshape(tiles_ * tile, pairs * 2 * block)[:, :in_features]
+    tiles_, units, tile, half = part.shape
+    levels = torch.stack([part & 15, part >> 4], 3)  # [tiles, units, TILE, 2, half]
+    return levels.transpose(1, 2).reshape(tiles_ * tile, units * 2 * half)[:, :in_features]
 
 
 @functools.cache  # asked on every dense call; the answer is the process's

@@ -10,9 +10,10 @@
  *
  * Layouts (rows padded to a multiple of 64 inputs and to a multiple of 4 rows, the padding
  * zero; `out` is the real count, only those outputs are written):
- *   int4: nibbles uint8 in tiles of 4 rows, [out/4][in/64][4][32]: each 64 inputs of a row
- *         take 32 bytes, byte j holding input j in its low nibble and input 32 + j in its high
- *         one, so that one load unpacks into two whole blocks, and the 4 rows of a tile follow
+ *   int4: nibbles uint8 in tiles of 4 rows, [out/4][in/unit][4][unit/2], the unit 64 inputs
+ *         (groups of 32 and 64) or the group of 128 (UNIT): each unit of a row takes unit/2
+ *         bytes, byte j holding input j in its low nibble and input unit/2 + j in its high
+ *         one, so that one load unpacks into whole blocks, and the 4 rows of a tile follow
  *         each other, so that a pass over 4 rows reads one stream. scale, zero: bfloat16 bits
  *         [out][in/group]; W = (q - 8) * scale + zero.
  *   int8: w + 128 as bytes in the same tiles, [out/4][in/64][4][64]; one float32 scale per
@@ -49,6 +50,11 @@
 #define INT4_STREAMS 2
 #define STREAMS 2 /* the most of either */
 #define ROW(r) (row0 + (r) / TILE * apart + (r) % TILE)
+/* Inputs of a 4-bit row a load unpacks: 64 (32 bytes, byte j holding input j low and 32 + j
+ * high: two blocks of 32), or a group of 128 (64 bytes, byte j holding input j and 64 + j),
+ * so that one load, a shift and two masks unpack a group where two broadcasting loads, two
+ * variable shifts and two masks did. */
+#define UNIT(G) ((G) > PAIR ? (G) : PAIR)
 
 /* Where row `row`'s pair `p` starts, in a layout of TILE-row tiles of `bytes` a pair-row. */
 static inline size_t tiled(int row, int p, int pairs, int bytes) {
@@ -183,6 +189,21 @@ AVX512 INLINE __m512i unpack_pair(const uint8_t *p) {
     return _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(0x0f));
 }
 
+/* A unit's weights of one row as bytes, 64 inputs a vector (wq[k]: inputs 64k to 64k + 63 of
+ * the unit). A unit of 64 (groups of 32 and 64) is unpack_pair's; one of 128 is a whole cache
+ * line, byte j holding input j low and 64 + j high: one load and three operations for 128
+ * weights, where two of unpack_pair's take two loads and four (see UNIT). */
+AVX512 INLINE void unpack_unit(const uint8_t *w, const int G, __m512i *wq) {
+    if (UNIT(G) == PAIR) {
+        wq[0] = unpack_pair(w);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i bytes = _mm512_loadu_si512(w);
+    wq[0] = _mm512_and_si512(bytes, low);
+    wq[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+}
+
 /* Two groups' scales (bf16 bits) as 8 lanes each. */
 AVX512 INLINE __m512 scale_pair(const uint16_t *s) {
     uint32_t two;
@@ -224,14 +245,38 @@ AVX512 INLINE void int4_finish(__m512 *acc, const uint16_t *scale, const uint16_
     for (int i = 0; i < NX; i++) y[(size_t)(x0 + i) * out + row] = hsum512(acc[i]);
 }
 
-/* Every loop over R, NX and the pairs of a group is unrolled (the pragmas): with the counts
+/* Each activation row's step times each weight row's scale, for the 16 groups from g: what
+ * a group's float32 dot is multiplied by, ready to broadcast (one load) where it was two
+ * conversions and a product a group and row. The same product of the same two numbers: the
+ * same bits. */
+AVX512 INLINE void step_scales(const uint16_t *scale, const Activations *a, int row0, int apart,
+                               int x0, int g, int groups, const int R, const int NX,
+                               float k[][4][16]) {
+    __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        __m512i bits = _mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(m, scale + (size_t)ROW(r) * groups + g));
+        __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+#pragma GCC unroll 16
+        for (int i = 0; i < NX; i++) {
+            __m512 step = _mm512_maskz_loadu_ps(m, a->step + (size_t)(x0 + i) * groups + g);
+            _mm512_store_ps(k[r][i], _mm512_mul_ps(step, s));
+        }
+    }
+}
+
+/* Every loop over R, NX and the pairs of a unit is unrolled (the pragmas): with the counts
  * constants once inlined, the accumulators then live in registers, where a loop left rolled
  * keeps the whole array in memory. The offsets' share goes into the same accumulators (one
  * reduction an output, the offsets converted once a weight row).
  * At groups of 128 the activations have one step a group (gemv.py's activation_block), so a
- * group's integer sums run across its two pairs and become float once: five instructions for
- * the group and one weight and activation row where a step per block of 32 took seven. Groups
- * of 32 and 64 keep the blocks of 32 (`lanes`: no instruction fewer with a step per group).
+ * group's integer sums run across its two pairs and become float once, multiplied by the step
+ * times the weights' scale (step_scales, 16 groups at a time). Groups of 32 and 64 keep the
+ * blocks of 32 (`lanes`, a pair's two steps: no instruction fewer with a step a group).
+ * On a 2-core AMD Zen 4, two threads, one row, a 0.5B shape's layer of 4-bit matrices in cache
+ * multiplied at 50 GB/s with two loads a group of 128 and its scales converted every group and
+ * row, at 60 with one load (UNIT) and the products ahead.
  * R weight rows from `row0` (past TILE of them, tiles `apart` rows apart: see INT8_STREAMS)
  * times NX activation rows from `x0`; G the group size. */
 AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
@@ -239,43 +284,47 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
                                 int row0, int apart, int x0, const int R, const int NX,
                                 const int G) {
     const int width = a->width, pairs = width / PAIR, groups = width / G;
-    const int pairs_per_group = G == BLOCK ? 1 : G / PAIR, groups_per_pair = G == BLOCK ? 2 : 1;
+    const int units = width / UNIT(G), per_unit = UNIT(G) / PAIR; /* pairs a unit */
+    const int groups_per_unit = G == BLOCK ? 2 : 1;
     __m512 acc[STREAMS * TILE][4];
+    float k[STREAMS * TILE][4][16] __attribute__((aligned(64))); /* step_scales' */
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int p = 0, g = 0; p < pairs; p += pairs_per_group, g += groups_per_pair) {
-        __m512i xq[2][4]; /* at most two pairs a group: G <= 128 */
-        __m512 xstep[4]; /* each lane's activation step: two blocks' (G = 32) or the group's */
+    for (int u = 0, g = 0; u < units; u++, g += groups_per_unit) {
+        const int p = u * per_unit;
+        if (G > PAIR && g % 16 == 0)
+            step_scales(scale, a, row0, apart, x0, g, groups, R, NX, k);
+        __m512i xq[2][4]; /* at most two pairs a unit */
+        __m512 lanes[4];  /* G <= 64: each lane's step, the pair's two blocks' */
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) {
 #pragma GCC unroll 2
-            for (int k = 0; k < pairs_per_group; k++)
-                xq[k][i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + k) * PAIR);
-            xstep[i] = G <= PAIR
-                           ? _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16)
-                           : _mm512_set1_ps(a->step[(size_t)(x0 + i) * groups + g]);
+            for (int j = 0; j < per_unit; j++)
+                xq[j][i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + j) * PAIR);
+            if (G <= PAIR)
+                lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
+            const uint8_t *w = nibbles + tiled(ROW(r), u, units, UNIT(G) / 2);
+            _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
             __m512i wq[2];
-#pragma GCC unroll 2
-            for (int k = 0; k < pairs_per_group; k++) {
-                const uint8_t *w = nibbles + tiled(ROW(r), p + k, pairs, 32);
-                _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
-                wq[k] = unpack_pair(w);
-            }
+            unpack_unit(w, G, wq);
             const uint16_t *s = scale + (size_t)ROW(r) * groups + g;
-            __m512 sv = G == BLOCK ? scale_pair(s) : scale_one(s);
+            __m512 sv;
+            if (G <= PAIR)
+                sv = G == BLOCK ? scale_pair(s) : scale_one(s);
 #pragma GCC unroll 16
             for (int i = 0; i < NX; i++) {
                 __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], xq[0][i]);
 #pragma GCC unroll 2
-                for (int k = 1; k < pairs_per_group; k++)
-                    sum = _mm512_dpbusd_epi32(sum, wq[k], xq[k][i]);
-                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                                            _mm512_mul_ps(xstep[i], sv), acc[r][i]);
+                for (int j = 1; j < per_unit; j++)
+                    sum = _mm512_dpbusd_epi32(sum, wq[j], xq[j][i]);
+                __m512 times = G <= PAIR ? _mm512_mul_ps(lanes[i], sv)
+                                         : _mm512_set1_ps(k[r][i][g % 16]);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), times, acc[r][i]);
             }
         }
     }
@@ -286,7 +335,7 @@ AVX512 INLINE void int4_tile512(const uint8_t *nibbles, const uint16_t *scale,
 }
 
 /* int4_tile512 for many activation rows: R weight rows from `row0` (side by side) times NX
- * activation rows from `x0`, the weights unpacked once a group for all NX rows and each
+ * activation rows from `x0`, the weights unpacked once a unit for all NX rows and each
  * activation row's input loaded inside, so that 2 x 8 accumulators and the unpacked weights
  * fit the 32 registers. The same operations per output in the same order as int4_tile512:
  * the same bits. Where int4_tile512 unpacked a pass's weights again for every four activation
@@ -297,23 +346,22 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
                                 const uint16_t *zero, const Activations *a, float *y, int out,
                                 int row0, int x0, const int R, const int NX, const int G) {
     const int width = a->width, pairs = width / PAIR, groups = width / G;
-    const int pairs_per_group = G == BLOCK ? 1 : G / PAIR, groups_per_pair = G == BLOCK ? 2 : 1;
+    const int units = width / UNIT(G), per_unit = UNIT(G) / PAIR;
+    const int groups_per_unit = G == BLOCK ? 2 : 1;
     __m512 acc[2][8];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int p = 0, g = 0; p < pairs; p += pairs_per_group, g += groups_per_pair) {
+    for (int u = 0, g = 0; u < units; u++, g += groups_per_unit) {
+        const int p = u * per_unit;
         __m512i wq[2][2];
         __m512 sv[2];
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-#pragma GCC unroll 2
-            for (int k = 0; k < pairs_per_group; k++) {
-                const uint8_t *w = nibbles + tiled(row0 + r, p + k, pairs, 32);
-                _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
-                wq[r][k] = unpack_pair(w);
-            }
+            const uint8_t *w = nibbles + tiled(row0 + r, u, units, UNIT(G) / 2);
+            _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
+            unpack_unit(w, G, wq[r]);
             const uint16_t *s = scale + (size_t)(row0 + r) * groups + g;
             sv[r] = G == BLOCK ? scale_pair(s) : scale_one(s);
         }
@@ -321,8 +369,8 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
         for (int i = 0; i < NX; i++) {
             __m512i xq[2];
 #pragma GCC unroll 2
-            for (int k = 0; k < pairs_per_group; k++)
-                xq[k] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + k) * PAIR);
+            for (int j = 0; j < per_unit; j++)
+                xq[j] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + (p + j) * PAIR);
             __m512 xstep = G <= PAIR
                                ? _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16)
                                : _mm512_set1_ps(a->step[(size_t)(x0 + i) * groups + g]);
@@ -330,8 +378,8 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
             for (int r = 0; r < R; r++) {
                 __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r][0], xq[0]);
 #pragma GCC unroll 2
-                for (int k = 1; k < pairs_per_group; k++)
-                    sum = _mm512_dpbusd_epi32(sum, wq[r][k], xq[k]);
+                for (int j = 1; j < per_unit; j++)
+                    sum = _mm512_dpbusd_epi32(sum, wq[r][j], xq[j]);
                 acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(xstep, sv[r]),
                                             acc[r][i]);
             }
@@ -343,6 +391,14 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
             int4_finish(acc[r], scale, zero, a, y, out, row0 + r, x0, NX, groups);
 }
 
+/* A thread's rows of the output, in passes of int4_tile512 and int4_wide512.
+ * Three or four activation rows take a tile's four weight rows in one pass where a group is
+ * a unit (128): its scales come from step_scales, so the 16 accumulators, 8 activation
+ * vectors and the unpacked weights fit the 32 registers. Two passes of two rows each would read
+ * alternate pairs of lines of the unit layout: on a 2-core AMD Zen 4 a 0.5B shape's layers of
+ * 4-bit weights streamed at 16.5-18 GB/s that way (18-20 with the 64-input units, whose
+ * passes read alternate lines and each the other's neighbour) and at 21-24 in one pass. Smaller
+ * groups keep two passes: their lanes and scales take more registers. */
 #define INT4_TILES(G)                                                                    \
     AVX512 static void int4_rows512_##G(const uint8_t *n, const uint16_t *s,             \
                                         const uint16_t *z, const Activations *a, float *y, \
@@ -364,6 +420,10 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
                 if (R == 4 && nx == 1) int4_tile512(n, s, z, a, y, out, row, 0, x0, 4, 1, G); \
                 else if (R == 4 && nx == 2)                                               \
                     int4_tile512(n, s, z, a, y, out, row, 0, x0, 4, 2, G);                   \
+                else if (R == 4 && G > PAIR && nx == 3) /* one pass: see above */       \
+                    int4_tile512(n, s, z, a, y, out, row, 0, x0, 4, 3, G);                   \
+                else if (R == 4 && G > PAIR)                                              \
+                    int4_tile512(n, s, z, a, y, out, row, 0, x0, 4, 4, G);                   \
                 else if (R == 4) {                                                        \
                     for (int h = 0; h < 4; h += 2) {                                      \
                         if (nx == 3) int4_tile512(n, s, z, a, y, out, row + h, 0, x0, 2, 3, G); \
@@ -456,6 +516,7 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
                               const Activations *a, float *y, int out, int group, int r0,
                               int r1) {
     const int width = a->width, groups = width / group, per_group = group / BLOCK;
+    const int unit = UNIT(group), units = width / unit;
     for (int row = r0; row < r1 && row < out; row++) {
         for (int i = 0; i < a->rows; i++) {
             const int8_t *xq = a->q + (size_t)i * width;
@@ -463,12 +524,14 @@ AVX2 static void int4_rows256(const uint8_t *nibbles, const uint16_t *scale, con
             const float *sums = a->group_sum + (size_t)i * groups;
             const uint16_t *s = scale + (size_t)row * groups, *z = zero + (size_t)row * groups;
             __m256 acc = _mm256_setzero_ps();
-            for (int p = 0; p < width / PAIR; p++) {
-                const uint8_t *w = nibbles + tiled(row, p, width / PAIR, 32);
+            for (int c = 0; c < width / PAIR; c++) { /* 32 bytes: 32 inputs low, 32 high */
+                int u = c / (unit / PAIR), half = c % (unit / PAIR);
+                const uint8_t *w = nibbles + tiled(row, u, units, unit / 2) + 32 * half;
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
                 __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0f));
-                int b0 = 2 * p, b1 = 2 * p + 1; /* blocks of 32; their steps' blocks: */
+                /* blocks of 32, as UNIT lays them out; their steps' blocks: */
+                int b0 = u * unit / BLOCK + half, b1 = b0 + unit / PAIR;
                 int s0 = b0 * BLOCK / a->block, s1 = b1 * BLOCK / a->block;
                 __m256 d0 = dot32(lo, _mm256_loadu_si256((const __m256i *)(xq + b0 * BLOCK)));
                 __m256 d1 = dot32(hi, _mm256_loadu_si256((const __m256i *)(xq + b1 * BLOCK)));

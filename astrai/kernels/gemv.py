@@ -40,11 +40,11 @@ def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % TILE))
 
 
-def _tiled(rows: torch.Tensor, bytes_per_pair: int) -> torch.Tensor:
-    """[out, pairs * bytes] (out a multiple of TILE) as [out / TILE, pairs, TILE, bytes]: the
-    TILE rows' pieces of each PAIR inputs side by side."""
+def _tiled(rows: torch.Tensor, bytes_per_unit: int) -> torch.Tensor:
+    """[out, units * bytes] (out a multiple of TILE) as [out / TILE, units, TILE, bytes]: the
+    TILE rows' pieces of each unit of inputs side by side."""
     out_features = rows.shape[0]
-    pieces = rows.view(out_features // TILE, TILE, -1, bytes_per_pair)
+    pieces = rows.view(out_features // TILE, TILE, -1, bytes_per_unit)
     return pieces.transpose(1, 2).contiguous()
 
 
@@ -52,18 +52,25 @@ def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).view(torch.int16).contiguous()
 
 
+def int4_unit(group: int) -> int:
+    """Inputs of a 4-bit row one load of the product unpacks (gemv.c's UNIT): PAIR, or the
+    group where it is larger, so that a group of 128 is one cache line."""
+    return max(PAIR, group)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
-    """(nibbles uint8 [out / TILE, width / PAIR, TILE, 32], scale and zero bf16 bits int16
+    """(nibbles uint8 [out / TILE, width / unit, TILE, unit / 2], scale and zero bf16 bits int16
     [out, width / group]) from quantize_groups' q (uint8 in [0, 16)), scale and zero; width is
-    in rounded up to PAIR and out to TILE, the padding's weights zero. Each PAIR inputs of a row
-    take 32 bytes, byte j holding input j in its low nibble and input 32 + j in its high one:
-    one load unpacks into two whole blocks."""
+    in rounded up to PAIR and out to TILE, the padding's weights zero; unit is int4_unit(group).
+    Each unit of a row takes unit / 2 bytes, byte j holding input j in its low nibble and input
+    unit / 2 + j in its high one: one load unpacks into whole blocks."""
     in_features = q.shape[1]
     width = padded_width(in_features)
     if width % group:
         raise ValueError(f"group {group} does not divide the padded width {width}")
-    q = _pad(q, width).view(-1, width // PAIR, 2, BLOCK)
-    nibbles = _tiled((q[:, :, 0] | (q[:, :, 1] << 4)).view(q.shape[0], width // 2), 32)
+    unit = int4_unit(group)
+    q = _pad(q, width).view(-1, width // unit, 2, unit // 2)
+    nibbles = _tiled((q[:, :, 0] | (q[:, :, 1] << 4)).view(q.shape[0], width // 2), unit // 2)
     groups = width // group
     return nibbles, _bf16_bits(_pad(scale, groups)), _bf16_bits(_pad(zero, groups))
 

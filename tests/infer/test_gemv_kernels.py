@@ -1,5 +1,5 @@
 """Our C products (astrai/kernels): each instruction-set path against the float32 product of the
-same dequantized weights, within the error the activations' int8 rounding allows; rows 1 to 5,
+same dequantized weights, within the error the activations' int8 rounding allows; rows 1 to 5 and 13,
 one and two threads, widths the layout pads; the float32 and bfloat16 product in float64 within
 float32's rounding, at every row count it takes; shapes refused by name; the reason when
 absent."""
@@ -82,6 +82,7 @@ CASES = [
     ("int4", lambda: int4_case(9, 384, 128)),
     ("int4", lambda: int4_case(33, 160, 32)),
     ("int4", lambda: int4_case(70, 128, 64)),  # one row's passes of two tiles reach the padding
+    ("int4", lambda: int4_case(70, 2176, 128)),  # 17 groups: past the first 16 scale products
     ("int8", lambda: int8_case(13, 96)),
     ("int8", lambda: int8_case(37, 256)),
     ("int8", lambda: int8_case(5, 45)),  # a width no block divides: padded
@@ -96,7 +97,7 @@ def test_each_path_is_within_the_int8_activation_rounding(case, isa, threads):
     path(isa)
     run, weights, terms, block = CASES[case][1]()
     g = torch.Generator().manual_seed(case)
-    for rows in (1, 2, 3, 4, 5):
+    for rows in (1, 2, 3, 4, 5, 13):  # 13: a pass of eight rows, then four and one
         x = torch.randn(rows, weights.shape[1], generator=g)
         y = run(x, threads=threads, isa=isa)
         assert y.shape == (rows, weights.shape[0]) and y.dtype == torch.float32
@@ -109,7 +110,7 @@ def test_rows_threads_and_paths_do_not_change_a_row(case):
     # computes it: the same bits
     path(1)
     run, weights, *_ = CASES[case][1]()
-    x = torch.randn(5, weights.shape[1], generator=torch.Generator().manual_seed(1))
+    x = torch.randn(13, weights.shape[1], generator=torch.Generator().manual_seed(1))
     for isa in paths_here():
         alone = torch.cat([run(row[None], threads=1, isa=isa) for row in x])
         assert torch.equal(run(x, threads=2, isa=isa), alone)

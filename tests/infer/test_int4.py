@@ -137,10 +137,12 @@ def test_groups_off_by_ten_percent_are_outside_the_bound(kernel, group, factor):
     assert bool(((wrong.linear(x) - x @ w.T).abs() > error_bound(x, w, group, kernel)).any())
 
 
-@pytest.mark.parametrize("shape", [(40, 256), (41, 96), (3, 64)])
-def test_the_gemv_packing_unpacks_to_the_levels(shape):
-    q, scale, zero = quantize_groups(torch.randn(*shape), 32)
-    nibbles, _, _ = gemv.pack_int4(q, scale, zero, 32)
+@pytest.mark.parametrize(
+    "shape, group", [((40, 256), 32), ((41, 96), 32), ((3, 64), 64), ((40, 384), 128)]
+)
+def test_the_gemv_packing_unpacks_to_the_levels(shape, group):
+    q, scale, zero = quantize_groups(torch.randn(*shape), group)
+    nibbles, _, _ = gemv.pack_int4(q, scale, zero, group)
     assert torch.equal(unpack_gemv(nibbles, slice(None), shape[1])[: shape[0]], q)
     assert torch.equal(unpack_gemv(nibbles, slice(2, 5), shape[1])[:3], q[8:11])
 
