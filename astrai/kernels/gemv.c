@@ -45,10 +45,13 @@
  * one, two and four streams of int8 weights read alike from memory (21-23 GB/s, alternating in
  * one process), while from cache four ran at a third of two's speed (33 against 107 GB/s):
  * gcc 12 did not unroll the loop over sixteen rows, so their accumulators lived in memory, not
- * registers. So two, and the loop unrolled by a pragma. Row r of a pass is ROW(r). */
-#define INT8_STREAMS 2
+ * registers. So two, and the loop unrolled by a pragma. Later, with the memory reading 37-44
+ * GB/s, four streams of int8 weights read 1.09-1.10x as fast as two from memory (and 0.9x from
+ * cache, at 88-103 GB/s, far past any memory): four for int8. Four 4-bit streams read 0.95x
+ * from memory and 0.8x from cache: two. Row r of a pass is ROW(r). */
+#define INT8_STREAMS 4
 #define INT4_STREAMS 2
-#define STREAMS 2 /* the most of either */
+#define STREAMS 4 /* the most of either */
 #define ROW(r) (row0 + (r) / TILE * apart + (r) % TILE)
 /* Inputs of a 4-bit row a load unpacks: 64 (32 bytes, byte j holding input j low and 32 + j
  * high: two blocks of 32), or a group of 128 (64 bytes, byte j holding input j and 64 + j),
