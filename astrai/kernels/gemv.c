@@ -704,14 +704,20 @@ AVX2 static void int8_rows256(const uint8_t *weight, const float *row_scale, con
 
 /* ---------------------------------------------------------------- entry points */
 
-/* 2: AVX-512 VNNI, 1: AVX2, 0: neither (the products refuse to run). */
+/* 2: AVX-512 VNNI, 1: AVX2, 0: neither (the products refuse to run). Held to AVX2 where
+ * torch's own kernels are (ATEN_CPU_CAPABILITY set to anything but avx512), so that one
+ * variable runs a whole process as on an AVX2-only CPU. Asked once a process. */
 int astrai_gemv_isa(void) {
+    static int isa = -1;
+    if (isa >= 0) return isa;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+    const char *torch_held = getenv("ATEN_CPU_CAPABILITY");
+    int avx512 = !(torch_held && *torch_held && strncmp(torch_held, "avx512", 6));
+    if (avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-    return 0;
+        return isa = 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return isa = 1;
+    return isa = 0;
 }
 
 /* Each thread's share of the (padded) output rows, in whole tiles. */
