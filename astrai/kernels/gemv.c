@@ -413,7 +413,7 @@ AVX512 INLINE void int4_wide512(const uint8_t *nibbles, const uint16_t *scale,
             r0 += INT4_STREAMS * span;                                                    \
         }                                                                                 \
         for (int row = r0; row < r1;) {                                                   \
-            int R = TILE; /* r1 - r0: whole tiles */                                                \
+            int R = TILE; /* r1 - r0: whole tiles */                                      \
             int x0 = 0;                                                                   \
             for (; a->rows - x0 >= 8; x0 += 8) /* eight at a time: see int4_wide512 */    \
                 for (int h = 0; h < 4; h += 2)                                            \
@@ -521,7 +521,8 @@ AVX2 INLINE __m256 dot32(__m256i u, __m256i s) {
 AVX2 INLINE void step_scales8(const float *step, const uint16_t *scale, int s, int n,
                               const int G, const int block, float *k) {
     if (n - s < 8) {
-        for (int j = 0; s + j < n; j++) k[j] = step[s + j] * bf16_to_float(scale[(s + j) * block / G]);
+        for (int j = 0; s + j < n; j++)
+            k[j] = step[s + j] * bf16_to_float(scale[(s + j) * block / G]);
         return;
     }
     __m256i bits;
@@ -556,11 +557,11 @@ AVX2 INLINE float int4_offsets256(const uint16_t *scale, const uint16_t *zero, c
 }
 
 /* int4_tile512's pass for AVX2: R weight rows from row0 (up to a tile) times NX activation rows
- * from x0, groups of G. A unit's 32-byte halves unpack into bytes (low nibbles: inputs 32h on, high: UNIT / 2
- * + 32h on), multiplied with the activations' bytes by vpmaddubsw into 16-bit pair sums
- * (at most 2 x 15 x 128 each: four blocks of them add without overflow, so a group of 128 is
- * one vpmaddwd and one float conversion), then into float32 by the step times the scale
- * (step_scales8, 8 steps ahead). Each output's sum runs in the same order whatever R, NX or
+ * from x0, groups of G. A unit's 32-byte halves unpack into bytes (low nibbles: inputs 32h on,
+ * high: UNIT / 2 + 32h on), multiplied with the activations' bytes by vpmaddubsw into 16-bit
+ * pair sums (at most 2 x 15 x 128 each: four blocks of them add without overflow, so a group
+ * of 128 is one vpmaddwd and one float conversion), then into float32 by the step times the
+ * scale (step_scales8, 8 steps ahead). Each output's sum runs in the same order whatever R, NX or
  * thread: the same bits. Where the loop took one weight and activation row at a time, with
  * integer divisions in it and one chain of dependent sums, a 0.5B shape's layer of 4-bit
  * matrices in cache (2-core AMD Zen 4 on this path, one row) multiplied at 8 GB/s. */
@@ -585,10 +586,11 @@ AVX2 INLINE void int4_tile256(const uint8_t *nibbles, const uint16_t *scale, con
 #pragma GCC unroll 2
                 for (int i = 0; i < NX; i++)
                     step_scales8(a->step + (size_t)(x0 + i) * steps,
-                                 scale + (size_t)(row0 + r) * groups, s, steps, G, block, k[r][i]);
+                                 scale + (size_t)(row0 + r) * groups, s, steps, G, block,
+                                 k[r][i]);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const uint8_t *w = nibbles + tiled((row0 + r), u, units, UNIT(G) / 2);
+            const uint8_t *w = nibbles + tiled(row0 + r, u, units, UNIT(G) / 2);
             _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
             __m256i lo[2], hi[2];
 #pragma GCC unroll 2
@@ -621,14 +623,14 @@ AVX2 INLINE void int4_tile256(const uint8_t *nibbles, const uint16_t *scale, con
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        if ((row0 + r) < out)
+        if (row0 + r < out)
 #pragma GCC unroll 2
             for (int i = 0; i < NX; i++) {
-            const size_t at = (size_t)(row0 + r) * groups;
-            const float *sums = a->group_sum + (size_t)(x0 + i) * groups;
-            y[(size_t)(x0 + i) * out + (row0 + r)] =
-                sum8(acc[r][i]) + int4_offsets256(scale + at, zero + at, sums, groups);
-        }
+                const size_t at = (size_t)(row0 + r) * groups;
+                const float *sums = a->group_sum + (size_t)(x0 + i) * groups;
+                y[(size_t)(x0 + i) * out + row0 + r] =
+                    sum8(acc[r][i]) + int4_offsets256(scale + at, zero + at, sums, groups);
+            }
 }
 
 /* A thread's rows of the output in passes of int4_tile256, a tile by one or two activation
@@ -672,12 +674,14 @@ AVX2 INLINE void int8_tile256(const uint8_t *weight, const float *row_scale, con
             _mm_prefetch((const char *)w + 8192, _MM_HINT_T1);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                __m256i signed_w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * h)), flip);
+                __m256i stored = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+                __m256i signed_w = _mm256_xor_si256(stored, flip);
                 __m256i magnitude = _mm256_abs_epi8(signed_w);
 #pragma GCC unroll 2
                 for (int i = 0; i < NX; i++) {
-                    const int8_t *xq = a->q + (size_t)(x0 + i) * width + (size_t)p * PAIR + 32 * h;
-                    __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), signed_w);
+                    const int8_t *xq = a->q + (size_t)(x0 + i) * width + (size_t)p * PAIR;
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * h));
+                    x = _mm256_sign_epi8(x, signed_w);
                     __m256 dot = dot32(magnitude, x);
                     float step = a->step[(size_t)(x0 + i) * blocks + 2 * p + h];
                     acc[r][i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(step), acc[r][i]);
