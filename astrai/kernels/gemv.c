@@ -218,14 +218,21 @@ AVX512 INLINE __m512 scale_pair(const uint16_t *s) {
 
 AVX512 INLINE __m512 scale_one(const uint16_t *s) { return _mm512_set1_ps(bf16_to_float(*s)); }
 
+/* The lanes of the (up to) 16 groups from g of `groups`. */
+AVX512 INLINE __mmask16 group_mask(int g, int groups) {
+    return groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+}
+
+/* The bfloat16 values (bits) of m's lanes from p as float32, 0 elsewhere. */
+AVX512 INLINE __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
+    __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
 /* zero - 8 scale for the (up to) 16 groups of m from these: the offsets a group's activation
  * sum multiplies. Once a weight row and 16 groups, shared by every activation row of a pass. */
 AVX512 INLINE __m512 offsets16(const uint16_t *scale, const uint16_t *zero, __mmask16 m) {
-    __m512i s16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, scale));
-    __m512i z16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, zero));
-    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(s16, 16));
-    __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(z16, 16));
-    return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+    return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), load16_bf16(scale, m), load16_bf16(zero, m));
 }
 
 /* One weight row's outputs for NX activation rows from x0: the offsets' share of each group
@@ -236,7 +243,7 @@ AVX512 INLINE void int4_finish(__m512 *acc, const uint16_t *scale, const uint16_
                                const int NX, int groups) {
     const size_t at = (size_t)row * groups;
     for (int g = 0; g < groups; g += 16) {
-        __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __mmask16 m = group_mask(g, groups);
         __m512 off = offsets16(scale + at + g, zero + at + g, m);
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) {
@@ -255,12 +262,10 @@ AVX512 INLINE void int4_finish(__m512 *acc, const uint16_t *scale, const uint16_
 AVX512 INLINE void step_scales(const uint16_t *scale, const Activations *a, int row0, int apart,
                                int x0, int g, int groups, const int R, const int NX,
                                float k[][4][16]) {
-    __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+    __mmask16 m = group_mask(g, groups);
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
-        __m512i bits = _mm512_cvtepu16_epi32(
-            _mm256_maskz_loadu_epi16(m, scale + (size_t)ROW(r) * groups + g));
-        __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        __m512 s = load16_bf16(scale + (size_t)ROW(r) * groups + g, m);
 #pragma GCC unroll 16
         for (int i = 0; i < NX; i++) {
             __m512 step = _mm512_maskz_loadu_ps(m, a->step + (size_t)(x0 + i) * groups + g);
@@ -525,14 +530,15 @@ AVX2 INLINE void step_scales8(const float *step, const uint16_t *scale, int s, i
             k[j] = step[s + j] * bf16_to_float(scale[(s + j) * block / G]);
         return;
     }
-    __m256i bits;
-    if (block == G) /* a scale a step */
-        bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(scale + s)));
-    else /* groups of 64, steps of 32: each scale twice */
-        bits = _mm256_permutevar8x32_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(scale + s / 2))),
-            _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    __m256 scales = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    __m256 scales;
+    if (block == G) { /* a scale a step */
+        scales = load8(scale, 1, s);
+    } else { /* groups of 64, steps of 32: four scales (no more: the row may end), each twice */
+        __m128i four = _mm_loadl_epi64((const __m128i *)(scale + s / 2));
+        __m256i bits = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(four),
+                                                   _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        scales = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    }
     _mm256_store_ps(k, _mm256_mul_ps(_mm256_loadu_ps(step + s), scales));
 }
 
@@ -543,11 +549,7 @@ AVX2 INLINE float int4_offsets256(const uint16_t *scale, const uint16_t *zero, c
     __m256 total = _mm256_setzero_ps();
     int g = 0;
     for (; g + 8 <= groups; g += 8) {
-        __m256i sb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(scale + g)));
-        __m256i zb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(zero + g)));
-        __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f),
-                                      _mm256_castsi256_ps(_mm256_slli_epi32(sb, 16)),
-                                      _mm256_castsi256_ps(_mm256_slli_epi32(zb, 16)));
+        __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), load8(scale, 1, g), load8(zero, 1, g));
         total = _mm256_fmadd_ps(off, _mm256_loadu_ps(sums + g), total);
     }
     float rest = 0.0f;
