@@ -19,6 +19,7 @@ memory), "gemv" read 40-52 GB/s at one row where fbgemm's "dynamic" read 28-37, 
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,8 +79,12 @@ def _weight_only(q: torch.Tensor, scale: torch.Tensor) -> Callable:
 
 
 def _reduce_range() -> bool:
-    """fbgemm keeps 7-bit activations unless the CPU sums u8 x s8 pairs in 32 bits (VNNI):
-    without it the 16-bit intermediate sums could saturate."""
+    """fbgemm keeps 7-bit activations unless it sums u8 x s8 pairs in 32 bits (VNNI): without
+    it the 16-bit intermediate sums could saturate. FBGEMM_ENABLE_INSTRUCTIONS holds fbgemm to
+    an instruction set below the CPU's (AVX2, AVX512), and then to its saturating sums."""
+    held = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
+    if held and "VNNI" not in held.upper():
+        return True
     return not (cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 

@@ -123,7 +123,10 @@ def one_row_at_a_time(m: Int8Matrix) -> Int8Matrix:
 # depends on the rows beside it: there the Engine runs one token per call (one sequence, prompts
 # prefilled a token at a time) and the recomputation multiplies each row alone too. The
 # weight-only product keeps rows independent, so there the Engine batches and chunks freely.
-# Our C kernel quantizes each row's activations alone, so its rows are independent too.
+# Our C kernel quantizes each row's activations alone, so its rows are independent too. MLA's
+# up-projection takes every cached latent in one call, so under the dynamic product a key's
+# value depends on the latents beside it, which a step and a recomputation group differently:
+# the row-independent kernels cover MLA.
 ENGINE_CALLS = {
     "weight_only": {"max_batch": 4},
     "dynamic": {"max_batch": 1, "prefill_chunk": 1},
@@ -135,6 +138,8 @@ ENGINE_CALLS = {
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_engine_matches_recomputation_with_the_same_8_bit_weights(kind, kernel, monkeypatch):
     skip_unless_here(kernel)
+    if (kind, kernel) == ("mla", "dynamic"):
+        pytest.skip("a cached latent's up-projection depends on the call's other latents")
     monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: (kernel, None))
     params, cfg = make_model(kind)
     reference = prepare_params(params, quantize="int8")
