@@ -13,7 +13,7 @@
  * weights AMX tiles (amx.c, from five rows) and AVX-512 BF16 (vdpbf16ps; both round the
  * activations to bfloat16 once a call, as a bfloat16 model's already are, and sum the products
  * in float32; in a multiple of 32), AVX-512 (16 lanes, bfloat16 weights widened to float32;
- * four activation rows a pass: 16 accumulators) and AVX2 + FMA (8 lanes, two rows). Output
+ * four activation rows a pass: 16 accumulators) and AVX2 + FMA (8 lanes, three rows). Output
  * rows are split over the OpenMP threads of torch's libgomp, each thread one contiguous
  * range. */
 #include <immintrin.h>
@@ -90,21 +90,25 @@ AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf1
             y[(size_t)r * out + o + t * stride] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+/* AVX2 has 16 vector registers: three rows' 12 accumulators, the three activation vectors and
+ * one weight vector at a time fill them exactly (all four weight vectors at once spilled an
+ * accumulator to the stack). Against two rows a pass, the 0.5B shape's matrices on a 2-core AMD
+ * Zen 4 held to AVX2: 16 rows 113 -> 134 GFLOP/s, 64 rows 138 -> 170. */
 AVX2 INLINE void block256(const void *xs, int in, const void *w, int bf16, int o, int stride,
                           int out, float *y, const int R, const int T) {
     const float *x = xs;
-    __m256 acc[2][TILE];
+    __m256 acc[3][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
             acc[r][t] = _mm256_setzero_ps();
     for (int i = 0; i < in; i += 8) {
-        __m256 wv[TILE];
-        for (int t = 0; t < T; t++)
-            wv[t] = load8(w, bf16, (size_t)(o + t * stride) * in + i);
-        for (int r = 0; r < R; r++) {
-            __m256 xv = _mm256_loadu_ps(x + (size_t)r * in + i);
-            for (int t = 0; t < T; t++)
-                acc[r][t] = _mm256_fmadd_ps(wv[t], xv, acc[r][t]);
+        __m256 xv[3];
+        for (int r = 0; r < R; r++)
+            xv[r] = _mm256_loadu_ps(x + (size_t)r * in + i);
+        for (int t = 0; t < T; t++) {
+            __m256 wv = load8(w, bf16, (size_t)(o + t * stride) * in + i);
+            for (int r = 0; r < R; r++)
+                acc[r][t] = _mm256_fmadd_ps(wv, xv[r], acc[r][t]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -129,8 +133,10 @@ BLOCKS_OF(AVX512F, block512)
 BLOCKS_OF(AVX512BF16, block_dot)
 BLOCK_AS(AVX2, block256, 1, 1)
 BLOCK_AS(AVX2, block256, 2, 1)
+BLOCK_AS(AVX2, block256, 3, 1)
 BLOCK_AS(AVX2, block256, 1, 4)
 BLOCK_AS(AVX2, block256, 2, 4)
+BLOCK_AS(AVX2, block256, 3, 4)
 
 typedef struct {
     Block blocks[2][4];
@@ -139,7 +145,9 @@ typedef struct {
 } Path;
 
 static const Path PATHS[4] = {
-    [1] = {{{block256_1_1, block256_2_1}, {block256_1_4, block256_2_4}}, 2, sizeof(float)},
+    [1] = {{{block256_1_1, block256_2_1, block256_3_1}, {block256_1_4, block256_2_4, block256_3_4}},
+           3,
+           sizeof(float)},
     [2] = {{{block512_1_1, block512_2_1, block512_3_1, block512_4_1},
             {block512_1_4, block512_2_4, block512_3_4, block512_4_4}},
            4,
@@ -158,13 +166,14 @@ static const Path PATHS[4] = {
 static void range(const Path *path, const void *x, int rows, int in, const void *w, int bf16,
                   int lo, int hi, int out, float *y) {
     int span = (hi - lo) / TILE; /* rows each stream reads; the last (hi - lo) % TILE alone */
+    int blocks = (rows + path->rows - 1) / path->rows; /* of activation rows, as even as can be */
     for (int o = lo; o < hi; o++) {
         int whole = o < lo + span;
         if (!whole && o < lo + TILE * span)
             continue; /* read by the passes of lo..lo + span - 1 */
-        for (int r = 0; r < rows; r += path->rows) {
+        for (int b = 0; b < blocks; b++) {
+            int r = rows * b / blocks, n = rows * (b + 1) / blocks - r;
             const char *xr = (const char *)x + (size_t)r * in * path->row_bytes;
-            int n = rows - r < path->rows ? rows - r : path->rows;
             path->blocks[whole][n - 1](xr, in, w, bf16, o, span, out, y + (size_t)r * out);
         }
     }
