@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark package beside it
 
+from benchmark.isa import ISAS, hold
 from benchmark.models import SIZES
 from benchmark.run import DTYPES, Options, run_bench, summary
 from benchmark.sections import SECTIONS
@@ -40,8 +41,10 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--no-reference", action="store_true", help="our figures alone, without transformers")  # fmt: skip
     parser.add_argument("--peer", choices=["llama.cpp"], help="add llama.cpp's rows (F32, BF16, Q8_0, Q4_0, Q4_K_M GGUF of the same weights), ours in the same formats beside them; needs the peer extra")  # fmt: skip
     parser.add_argument("--formats", default="", help="with --peer: comma-separated formats of float32, bf16, int8, int4 to pair with llama.cpp's files (default all; the run's own always runs)")  # fmt: skip
+    parser.add_argument("--isa", default="native", choices=ISAS, help="avx2: every side as an AVX2-only CPU would run (torch, oneDNN, MKL, fbgemm and our kernels held to AVX2; the peer must be a llama.cpp built without AVX-512)")  # fmt: skip
     parser.add_argument("--out", default="runs/bench", help="where run folders and the cached models go")  # fmt: skip
     args = parser.parse_args(argv)
+    hold(args.isa)
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return Options(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from benchmark import ours
 from benchmark.chart import Panel, write_chart
+from benchmark.isa import HELD, check_peer
 from benchmark.limits import (
     decode_bytes_per_token,
     decode_flops_per_token,
@@ -636,3 +639,29 @@ def test_decode_ways_times_both_ways_and_restores_the_choices(compare, ways):
     assert {way: len(t) for way, t in times.items()} == dict.fromkeys(ways, 2)
     assert all(t > 0 for way in times.values() for t in way)
     assert (paged._reads_pages_in_place, paged.fused_layers) == choices
+
+
+def test_isa_avx2_runs_the_program_again_with_every_library_held(tmp_path):
+    script = tmp_path / "held.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parents[1] / 'programs')!r})\n"
+        "from benchmark.isa import HELD, hold, held_isa\n"
+        "hold('avx2')\n"
+        "print(held_isa(), *(os.environ[k] for k in HELD['avx2']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in HELD["avx2"]}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["avx2", "avx2", "AVX2", "AVX2", "AVX2"]
+
+
+def test_isa_avx2_refuses_a_llama_cpp_built_with_avx512(monkeypatch):
+    with_avx512 = "CPU : AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 | "
+    check_peer(with_avx512)  # not held: any build
+    for name, value in HELD["avx2"].items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="without it"):
+        check_peer(with_avx512)
+    check_peer("CPU : AVX = 1 | AVX2 = 1 | FMA = 1 | ")

@@ -49,6 +49,11 @@ def quiet_logs() -> None:
         lib.llama_log_set(_QUIET, ctypes.c_void_p(0))
 
 
+def system_info() -> str:
+    """The instruction sets and features this llama.cpp was built with ("AVX2 = 1 | ...")."""
+    return _llama_cpp().llama_print_system_info().decode()
+
+
 def load(
     path,
     threads: int,

@@ -112,6 +112,8 @@ def peer_types(device, formats: tuple[str, ...]) -> tuple[tuple[str, ...], dict[
 
 def start_peer(folder: Path, threads: int, n_ctx: int, types: tuple[str, ...]) -> Peer:
     """Export the models and start the peer process; n_ctx: K/V cells per sequence."""
+    from .isa import check_peer  # here: this file also runs as the peer's own script
+
     paths = export_models(folder, types, threads)
     log = Path(tempfile.mkstemp(prefix="llama.cpp-", suffix=".log")[1])
     process = subprocess.Popen(
@@ -124,7 +126,12 @@ def start_peer(folder: Path, threads: int, n_ctx: int, types: tuple[str, ...]) -
     files = {f"llama.cpp {name}": path for name, path in paths.items()}
     peer = Peer(process, log, tuple(files), files)
     paths = {k: str(v) for k, v in paths.items()}
-    ask(peer, {"op": "load", "paths": paths, "n_ctx": n_ctx, "threads": threads})
+    loaded = ask(peer, {"op": "load", "paths": paths, "n_ctx": n_ctx, "threads": threads})
+    try:
+        check_peer(loaded["features"])
+    except ValueError:
+        close_peer(peer)
+        raise
     return peer
 
 
@@ -244,7 +251,7 @@ def main() -> None:
             match request["op"]:
                 case "load":
                     setup = request
-                    answer = {"ok": True}
+                    answer = {"features": lc.system_info()}
                 case "greedy":
                     m = model(request["model"], len(request["prompts"]))
                     answer = {"tokens": lc.greedy(m, request["prompts"], request["n"])}

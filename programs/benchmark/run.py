@@ -23,6 +23,7 @@ from astrai.train.matmul_peak import cpu_model
 from . import peer_llamacpp
 from .chart import Panel, write_chart
 from .formats import FORMATS, Format, format_of, quantize_skip_reason
+from .isa import HELD, held_isa
 from .models import FULL, QUICK, SIZES, bench_tokenizer, has_transformers, model_folder
 from .report import MARKS, markdown, table, verdicts
 from .sections import SECTIONS, Bench, limit_rows
@@ -97,6 +98,8 @@ def run_bench(opts: Options, log: Callable[[str], None] = print) -> dict:
     b = Bench(size, work, device, dtype, folder, params, cfg, tokenizer, reference, log)
     b.quantize = opts.quantize
     b.wanted_formats = formats
+    if (isa := held_isa()) != "native":
+        b.note(f"--isa {isa}: {', '.join(f'{k}={v}' for k, v in HELD[isa].items())}")
     status = {}
     try:
         if opts.peer:
