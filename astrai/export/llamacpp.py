@@ -2,9 +2,10 @@
 optional `peer` extra): greedy tokens for many sequences in one batch, prefill, tokenization
 and the chat template, to check an export against `forward` and to benchmark against it.
 
-Extra buffer types (llama.cpp's weight repacking, e.g. the AMX buffer type on Intel CPUs) are
-off: on an AMX machine that buffer type crashed on Q8_0 weights, so every figure and test here
-uses llama.cpp's plain CPU buffers.
+Extra buffer types (llama.cpp's weight repacking into its batched layouts, and the AMX buffer
+type on Intel CPUs) are off unless `load` is asked for them (`repack`): on an AMX machine that
+buffer type crashed on Q8_0 weights. llama.cpp's own programs have them on, so the benchmark's
+peer does too wherever that crash cannot happen (programs/benchmark/peer_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -61,16 +62,19 @@ def load(
     n_seq: int = 1,
     batch_size: int = 512,
     exact: bool = True,
+    repack: bool = False,
 ) -> LlamaCpp:
-    """Load a GGUF file with extra buffer types off. n_ctx: K/V cells of each of the n_seq
-    sequences (each has its own, so a sequence attends over its own cells only); batch_size: the most tokens one call takes (a prefill of every prompt at once
-    must fit). exact: K/V in float32 and flash attention off, so an F32 file computes what our
-    float32 forward computes (llama.cpp's defaults, exact=False, keep K/V in float16 and its CPU
-    flash attention rounds through float16: logits differ by ~1e-3 relative)."""
+    """Load a GGUF file. n_ctx: K/V cells of each of the n_seq sequences (each has its own, so a
+    sequence attends over its own cells only); batch_size: the most tokens one call takes (a
+    prefill of every prompt at once must fit). exact: K/V in float32 and flash attention off,
+    so an F32 file computes what our float32 forward computes (llama.cpp's defaults,
+    exact=False, keep K/V in float16 and its CPU flash attention rounds through float16: logits
+    differ by ~1e-3 relative). repack: llama.cpp's extra buffer types, its default (see the
+    top)."""
     lib = _llama_cpp()
     lib.llama_backend_init()
     mparams = lib.llama_model_default_params()
-    mparams.use_extra_bufts = False
+    mparams.use_extra_bufts = repack
     model = lib.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")

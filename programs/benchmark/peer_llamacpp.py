@@ -5,9 +5,10 @@ llama.cpp's own quantiser to Q4_0 and Q4_K_M, and run by llama.cpp in a process
 of its own (so its thread pool and ours never share a process), driven over a pipe: one JSON
 line per call, answered when the work is done. Each call is timed on our side like every other
 side, round trip included (a few hundred microseconds against calls of tenths of seconds).
-llama.cpp runs with as many threads as torch, greedy argmax over its logits, extra buffer
-types off (see astrai/export/llamacpp.py), and otherwise llama.cpp's defaults: K/V in float16,
-flash attention on.
+llama.cpp runs with as many threads as torch, greedy argmax over its logits, and otherwise
+llama.cpp's defaults: K/V in float16, flash attention on, extra buffer types on (its weights
+repacked into its batched layouts where it has one for the type: Q4_0 on x86), except for Q8_0
+on a CPU with AMX (`repacks`).
 
     python peer_llamacpp.py   # the peer process itself: reads requests on stdin
 """
@@ -34,6 +35,16 @@ class Peer:
     log: Path  # llama.cpp's stderr, shown when the peer fails
     names: tuple[str, ...]  # the calls it adds: "llama.cpp F32", ...
     files: dict[str, Path]  # "llama.cpp F32" -> its GGUF file
+
+
+def repacks(name: str) -> bool:
+    """Whether llama.cpp loads file type `name` with its extra buffer types, as its own programs
+    do by default: all but Q8_0 on a CPU with AMX, where the AMX buffer type crashed on Q8_0
+    weights. Off, its Q4_0 ran at 0.70x at one sequence, 0.54x at 16 and 0.48x in prompts on a
+    2-core AMD Zen 5 (docs/benchmarks.md, "llama.cpp as a peer")."""
+    from astrai.hardware import cpu_flags
+
+    return not (name == "Q8_0" and "amx_int8" in cpu_flags())
 
 
 def gguf_path(folder: Path, name: str) -> Path:
@@ -162,8 +173,9 @@ def start_for_bench(b) -> Peer | None:
     b.note(
         f"llama.cpp peer: {', '.join(types)} GGUF files of the same weights ("
         f"{', '.join(t for t in types if t in QUANTIZED) or 'none'} quantised by llama.cpp "
-        f"from the F32 file), {threads} threads, its own process, extra buffer types (weight "
-        "repacking, AMX) off, otherwise llama.cpp's defaults (K/V float16, flash attention on)"
+        f"from the F32 file), {threads} threads, its own process, llama.cpp's defaults (K/V "
+        "float16, flash attention on, extra buffer types: weights repacked where it can"
+        f"{'' if all(map(repacks, types)) else ', but not Q8_0 on this AMX CPU'})"
     )
     return start_peer(b.folder, threads, n_ctx, types)
 
@@ -241,7 +253,13 @@ def main() -> None:
         if (name, n_seq) not in models:
             path, threads = setup["paths"][name], setup["threads"]
             models[name, n_seq] = lc.load(
-                path, threads, setup["n_ctx"], n_seq, n_seq * setup["n_ctx"], exact=False
+                path,
+                threads,
+                setup["n_ctx"],
+                n_seq,
+                n_seq * setup["n_ctx"],
+                exact=False,
+                repack=repacks(name),
             )
         return models[name, n_seq]
 
