@@ -13,8 +13,8 @@ each that divides the shape (and each product that runs here, astrai/infer/suppo
 and keeps the fastest. docs/inference.md says why no other product is offered.
 
 Past some number of rows (a prompt's), a matrix multiplied by "gemv" takes another road
-(`split`): the weights dequantized from the kernel's packing, a slice of outputs at a time, and
-torch's dense product. gemv streams the weights once but multiplies
+(`split`): the weights dequantized from the kernel's packing (gemv.c), a slice of outputs at a
+time, and torch's dense product. gemv streams the weights once but multiplies
 each row apart; at 2,048 rows of the 0.5B shapes it ran 117-134 GFLOP/s on a 2-core Intel
 Xeon, where dequantizing (2-12 ms a matrix) and torch's float32 product ran 307-390 and the
 bfloat16 one (AMX) 1,100-1,400: the road multiplies in bfloat16 where that is native
@@ -132,17 +132,7 @@ def _gemv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
 
 
 BUILDERS = {"weight_only": _weight_only, "gemv": _gemv}
-DENSE_CHUNK = 1 << 22  # weights dequantized at a time: 16 MB in float32, held in L2 or L3
-
-
-def unpack_gemv(nibbles: torch.Tensor, tiles: slice, in_features: int) -> torch.Tensor:
-    """The levels q (uint8 [rows, in]) of the kernel's tiles `tiles` (gemv.pack_int4's layout,
-    TILE weight rows a tile), undone: byte j of a unit's `half` bytes holds input j low and
-    half + j high."""
-    part = nibbles[tiles]
-    tiles_, units, tile, half = part.shape
-    levels = torch.stack([part & 15, part >> 4], 3)  # [tiles, units, TILE, 2, half]
-    return levels.transpose(1, 2).reshape(tiles_ * tile, units * 2 * half)[:, :in_features]
+DENSE_CHUNK = 1 << 22  # weights dequantized at a time: 8 MB in bfloat16, held in L2 or L3
 
 
 @functools.cache  # asked on every dense call; the answer is the process's
@@ -156,23 +146,23 @@ def dense_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _dense(nibbles, scale, zero, shape) -> Callable:
-    """x @ W.T through W dequantized, DENSE_CHUNK weights at a time, in float32 (exactly
-    `dequantize`'s values) and then in dense_dtype, by torch's product."""
+def _dense(nibbles, scale, zero, group: int, shape) -> Callable:
+    """x @ W.T through W dequantized (exactly `dequantize`'s values, rounded to dense_dtype), by
+    gemv.c's dequantizer, DENSE_CHUNK weights at a time, and torch's product."""
     out_features, in_features = shape
-    tile = nibbles.shape[2]
-    step = max(1, DENSE_CHUNK // (tile * in_features))  # tiles a chunk
+    step = max(1, DENSE_CHUNK // in_features)  # output rows a chunk
 
     def run(x: torch.Tensor) -> torch.Tensor:
         dtype = dense_dtype(x.dtype, x.device)
-        rows_in = x.to(dtype)
-        pieces = []
-        for first in range(0, nibbles.shape[0], step):
-            rows = slice(first * tile, min((first + step) * tile, out_features))
-            q = unpack_gemv(nibbles, slice(first, first + step), in_features)
-            w = dequantize(q[: rows.stop - rows.start], scale[rows], zero[rows]).to(dtype)
-            pieces.append(rows_in @ w.T)
-        return torch.cat(pieces, -1)
+        # float16 models: the dequantizer writes float32 and bfloat16, torch rounds on
+        weights_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        rows_in = x.reshape(-1, in_features).to(dtype)
+        y = torch.empty(rows_in.shape[0], out_features, dtype=dtype)
+        for first in range(0, out_features, step):
+            rows = range(first, min(first + step, out_features))
+            w = gemv.int4_dequantize(nibbles, scale, zero, group, rows, in_features, weights_dtype)
+            torch.mm(rows_in, w.to(dtype).T, out=y[:, first : rows.stop])  # in place: no cat
+        return y.view(*x.shape[:-1], out_features)
 
     return run
 
@@ -189,7 +179,7 @@ def int4_matrix(w: torch.Tensor, kernel: str, group: int, split: int | None = No
     q, scale, zero = quantize_groups(w, group)
     packed, run = BUILDERS[kernel](q, scale, zero, group)
     if split is not None:
-        run = by_rows(run, _dense(packed, scale, zero, tuple(w.shape)), split)
+        run = by_rows(run, _dense(packed, scale, zero, group, tuple(w.shape)), split)
     return Int4Matrix(packed, scale, zero, group, kernel, run, split)
 
 

@@ -93,6 +93,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_gemv_isa.argtypes = []
     lib.astrai_int4_gemv.restype = i
     lib.astrai_int4_gemv.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
+    lib.astrai_int4_dequantize.restype = i
+    lib.astrai_int4_dequantize.argtypes = [p, p, p, i, i, i, i, p, i, i]
     lib.astrai_int8_gemv.restype = i
     lib.astrai_int8_gemv.argtypes = [p, i, i, p, p, i, p, i, i]
     lib.astrai_float_gemv_isa.restype = i

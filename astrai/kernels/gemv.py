@@ -125,6 +125,23 @@ def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
     return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,), INT4)
 
 
+def int4_dequantize(nibbles, scale, zero, group: int, rows: range, in_features: int, dtype):
+    """Rows `rows` of the 4-bit matrix pack_int4 laid out in `nibbles`, as the float32 or
+    bfloat16 [len(rows), in] weights they stand for: (q - 8) * scale + zero, scale and zero
+    quantize_groups' float32 [out, in // group]."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"4-bit weights dequantize to float32 or bfloat16, not {dtype}")
+    if not 0 <= rows.start <= rows.stop <= scale.shape[0] or rows.step != 1:
+        raise ValueError(f"rows {rows} of a matrix of {scale.shape[0]}")
+    w = torch.empty(len(rows), in_features, dtype=dtype)
+    args = (nibbles.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, in_features)
+    bf16 = int(dtype == torch.bfloat16)
+    n = torch.get_num_threads()
+    code = _library().astrai_int4_dequantize(*args, rows.start, rows.stop, w.data_ptr(), bf16, n)
+    _raise_on(code, "int4 dequantize")
+    return w
+
+
 FLOAT_AMX = 4  # the float product's path with AMX tiles (float_gemv.c)
 
 
