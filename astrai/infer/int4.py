@@ -150,7 +150,8 @@ def _dense(nibbles, scale, zero, group: int, shape) -> Callable:
     """x @ W.T through W dequantized (exactly `dequantize`'s values, rounded to dense_dtype), by
     gemv.c's dequantizer, DENSE_CHUNK weights at a time, and torch's product."""
     out_features, in_features = shape
-    step = max(1, DENSE_CHUNK // in_features)  # output rows a chunk
+    chunks = -(-out_features * in_features // DENSE_CHUNK)
+    step = -(-out_features // chunks)  # output rows a chunk: even, so no thin last chunk
 
     def run(x: torch.Tensor) -> torch.Tensor:
         dtype = dense_dtype(x.dtype, x.device)
