@@ -301,14 +301,19 @@ def test_errors_for_people():
             engine.submit([])
         with pytest.raises(ValueError, match="temperature"):
             engine.submit([1], temperature=-1)
-    engine = Engine(params, cfg, None, page_size=4, max_seq_len=64, max_batch=1, max_waiting=1)
+    engine = Engine(params, cfg, None, page_size=4, max_seq_len=4096, max_batch=1, max_waiting=1)
     with engine:
-        engine.submit([1, 2], max_tokens=60, **GREEDY)  # runs: the batch has one place
+        # runs, the batch's one place, for longer than the test takes: a shorter one could end
+        # between two looks at the stats, and the wait below would never end
+        first = engine.submit([1, 2], max_tokens=4000, **GREEDY)
+        deadline = time.monotonic() + 60
         while engine.stats().running == 0:
+            assert time.monotonic() < deadline, "the first request never ran"
             time.sleep(0.005)
         engine.submit([1, 2], max_tokens=2)  # waits for that place
         with pytest.raises(Overloaded):
             engine.submit([1, 2], max_tokens=2)
+        engine.cancel(first)
 
 
 def test_max_waiting_zero_is_no_limit():
