@@ -770,14 +770,6 @@ int astrai_int4_gemv(const float *x, int rows, int in, const uint8_t *nibbles,
     return 0;
 }
 
-/* Output rows row0..row1 of a 4-bit matrix (the tiles above) as the weights they stand for,
- * (q - 8) * scale + zero, into dst [row1 - row0][in]: float32, or bfloat16 (bits, rounded to
- * nearest even as torch rounds) where bf16 is set. scale, zero: float32 [out][in / group], each
- * a bfloat16 value, so that (q - 8) * scale is exact in float32 (at most 4 + 8 significant
- * bits) and a fused multiply-add rounds as the multiply and add apart do: the values of
- * astrai/infer/int4.py's `dequantize`, to the bit. For a prompt's rows (int4.py's dense road),
- * where torch's unpacking and conversions of the 0.5B shape's 4864 x 896 matrix took 2.5-17 ms.
- * Returns 0, or -1 for a shape it does not take. */
 /* One half-unit of a row's nibbles (`high`: their high halves) as n weights. */
 AVX2 static void dequantize_half(const uint8_t *w, int high, int n, float s, float z, float *f,
                                  uint16_t *h) {
@@ -793,6 +785,15 @@ AVX2 static void dequantize_half(const uint8_t *w, int high, int n, float s, flo
     }
 }
 
+/* Output rows row0..row1 of a 4-bit matrix (the tiles above) as the weights they stand for,
+ * (q - 8) * scale + zero, into dst [row1 - row0][in]: float32, or bfloat16 (bits, rounded to
+ * nearest even as torch rounds) where bf16 is set. scale, zero: float32 [out][in / group], each
+ * a bfloat16 value, so that (q - 8) * scale is exact in float32 (at most 4 + 8 significant
+ * bits) and a fused multiply-add rounds as the multiply and add apart do: the values of
+ * astrai/infer/int4.py's `dequantize`, to the bit. For a prompt's rows (int4.py's dense road),
+ * where torch's unpacking and conversions of the 0.5B shape's matrices took 2.5-17 ms a matrix
+ * and this takes 0.6 (docs/inference.md, "Prompts take a dense road").
+ * Returns 0, or -1 for a shape it does not take. */
 int astrai_int4_dequantize(const uint8_t *nibbles, const float *scale, const float *zero,
                            int group, int in, int row0, int row1, void *dst, int bf16,
                            int threads) {

@@ -131,6 +131,8 @@ def int4_dequantize(nibbles, scale, zero, group: int, rows: range, in_features: 
     quantize_groups' float32 [out, in // group]."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"4-bit weights dequantize to float32 or bfloat16, not {dtype}")
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (scale, zero)):
+        raise ValueError("scale and zero must be contiguous float32, as quantize_groups makes them")
     if not 0 <= rows.start <= rows.stop <= scale.shape[0] or rows.step != 1:
         raise ValueError(f"rows {rows} of a matrix of {scale.shape[0]}")
     w = torch.empty(len(rows), in_features, dtype=dtype)

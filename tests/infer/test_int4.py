@@ -158,7 +158,7 @@ def dense_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (4 * unit + (w.shape[1] + 2) * FLOAT32_EPS) * terms + torch.finfo(x.dtype).tiny
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk", [1 << 22, 96 * 3])  # one slice of outputs, or 3 rows each
 def test_the_dense_road_multiplies_the_dequantized_weights(dtype, chunk, monkeypatch):
     skip_unless_here("gemv", (41, 96))
