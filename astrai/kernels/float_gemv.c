@@ -51,7 +51,7 @@ AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, in
         __m512 wv[TILE];
         for (int t = 0; t < T; t++) {
             wv[t] = load16(w, bf16, (size_t)(o + t * stride) * in + i);
-            _mm_prefetch((const char *)w + ((size_t)(o + 1 + t * stride) * in + i << (2 - bf16)),
+            _mm_prefetch((const char *)w + (((size_t)(o + 1 + t * stride) * in + i) << (2 - bf16)),
                          _MM_HINT_T1); /* the next pass's: see TILE */
         }
         for (int r = 0; r < R; r++) {
