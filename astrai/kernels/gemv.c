@@ -558,6 +558,29 @@ AVX2 INLINE float int4_offsets256(const uint16_t *scale, const uint16_t *zero, c
     return sum8(total) + rest;
 }
 
+/* A 4-bit unit's `halves` 32-byte halves as bytes: lo[h] the low nibbles (inputs 32h on), hi[h]
+ * the high ones (UNIT / 2 + 32h on). */
+AVX2 INLINE void unpack256(const uint8_t *w, const int halves, __m256i *lo, __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 2
+    for (int h = 0; h < halves; h++) {
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+        lo[h] = _mm256_and_si256(bytes, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    }
+}
+
+/* A group of 128's dot with the activations' bytes xq as 8 float lanes: blocks 0, 1 (low
+ * nibbles), 2, 3 (high) in 16-bit pair sums, one vpmaddwd and one conversion. */
+AVX2 INLINE __m256 dot128(const __m256i *lo, const __m256i *hi, const int8_t *xq) {
+#define XQ(at) _mm256_loadu_si256((const __m256i *)(xq + (at)))
+    __m256i pairs = _mm256_add_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], XQ(0)), _mm256_maddubs_epi16(lo[1], XQ(32))),
+        _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], XQ(64)), _mm256_maddubs_epi16(hi[1], XQ(96))));
+#undef XQ
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 /* int4_tile512's pass for AVX2: R weight rows from row0 (up to a tile) times NX activation rows
  * from x0, groups of G. A unit's 32-byte halves unpack into bytes (low nibbles: inputs 32h on,
  * high: UNIT / 2 + 32h on), multiplied with the activations' bytes by vpmaddubsw into 16-bit
@@ -573,7 +596,6 @@ AVX2 INLINE void int4_tile256(const uint8_t *nibbles, const uint16_t *scale, con
     const int width = a->width, units = width / UNIT(G), halves = UNIT(G) / PAIR;
     const int block = G > PAIR ? G : BLOCK, steps = width / block, groups = width / G;
     const int per_unit = UNIT(G) / block; /* steps a unit: 1 or 2 */
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 acc[TILE][2];
     float k[TILE][2][8] __attribute__((aligned(32)));
 #pragma GCC unroll 16
@@ -595,31 +617,20 @@ AVX2 INLINE void int4_tile256(const uint8_t *nibbles, const uint16_t *scale, con
             const uint8_t *w = nibbles + tiled(row0 + r, u, units, UNIT(G) / 2);
             _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
             __m256i lo[2], hi[2];
-#pragma GCC unroll 2
-            for (int h = 0; h < halves; h++) {
-                __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
-                lo[h] = _mm256_and_si256(bytes, low);
-                hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-            }
+            unpack256(w, halves, lo, hi);
 #pragma GCC unroll 2
             for (int i = 0; i < NX; i++) {
                 const int8_t *xq = a->q + (size_t)(x0 + i) * width + (size_t)u * UNIT(G);
-#define XQ(at) _mm256_loadu_si256((const __m256i *)(xq + (at)))
-                if (G > PAIR) { /* the group: blocks 0, 1 (low nibbles), 2, 3 (high) */
-                    __m256i pairs = _mm256_add_epi16(
-                        _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], XQ(0)),
-                                         _mm256_maddubs_epi16(lo[1], XQ(32))),
-                        _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], XQ(64)),
-                                         _mm256_maddubs_epi16(hi[1], XQ(96))));
-                    __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                    acc[r][i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(k[r][i][s % 8]), acc[r][i]);
-                } else { /* two steps: the low nibbles' block, then the high ones' */
-                    acc[r][i] = _mm256_fmadd_ps(dot32(lo[0], XQ(0)),
+                if (G > PAIR) { /* the group */
+                    acc[r][i] = _mm256_fmadd_ps(dot128(lo, hi, xq),
                                                 _mm256_set1_ps(k[r][i][s % 8]), acc[r][i]);
-                    acc[r][i] = _mm256_fmadd_ps(dot32(hi[0], XQ(32)),
+                } else { /* two steps: the low nibbles' block, then the high ones' */
+                    const __m256i *x = (const __m256i *)xq;
+                    acc[r][i] = _mm256_fmadd_ps(dot32(lo[0], _mm256_loadu_si256(x)),
+                                                _mm256_set1_ps(k[r][i][s % 8]), acc[r][i]);
+                    acc[r][i] = _mm256_fmadd_ps(dot32(hi[0], _mm256_loadu_si256(x + 1)),
                                                 _mm256_set1_ps(k[r][i][s % 8 + 1]), acc[r][i]);
                 }
-#undef XQ
             }
         }
     }
@@ -636,35 +647,24 @@ AVX2 INLINE void int4_tile256(const uint8_t *nibbles, const uint16_t *scale, con
 }
 
 /* int4_tile256 for many activation rows at groups of 128: one weight row times WIDE activation
- * rows from x0, the row's unit unpacked once for all of them (the activations read from
- * memory by vpmaddubsw itself), where int4_tile256 unpacks a tile's units again for every two
- * rows. The same operations per output in the same order (the step times the scale is the same
- * one multiply step_scales8 makes): the same bits. */
+ * rows from x0, the row's unit unpacked once for all of them, where int4_tile256 unpacks a
+ * tile's units again for every two rows. The same operations per output in the same order (the
+ * step times the scale is the same one multiply step_scales8 makes): the same bits. */
 #define WIDE 8
 AVX2 INLINE void int4_wide256(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
                               const Activations *a, float *y, int out, int row, int x0) {
     const int G = 128, width = a->width, units = width / G, groups = width / G;
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 acc[WIDE];
 #pragma GCC unroll 8
     for (int i = 0; i < WIDE; i++) acc[i] = _mm256_setzero_ps();
     for (int u = 0; u < units; u++) {
         const uint8_t *w = nibbles + tiled(row, u, units, G / 2);
-        __m256i bytes0 = _mm256_loadu_si256((const __m256i *)w);
-        __m256i bytes1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-        __m256i lo0 = _mm256_and_si256(bytes0, low), lo1 = _mm256_and_si256(bytes1, low);
-        __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(bytes0, 4), low);
-        __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(bytes1, 4), low);
+        __m256i lo[2], hi[2];
+        unpack256(w, 2, lo, hi);
         const float sc = bf16_to_float(scale[(size_t)row * groups + u]);
 #pragma GCC unroll 8
         for (int i = 0; i < WIDE; i++) {
-            const int8_t *xq = a->q + (size_t)(x0 + i) * width + (size_t)u * G;
-#define XQ(at) _mm256_loadu_si256((const __m256i *)(xq + (at)))
-            __m256i pairs = _mm256_add_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo0, XQ(0)), _mm256_maddubs_epi16(lo1, XQ(32))),
-                _mm256_add_epi16(_mm256_maddubs_epi16(hi0, XQ(64)), _mm256_maddubs_epi16(hi1, XQ(96))));
-#undef XQ
-            __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            __m256 dot = dot128(lo, hi, a->q + (size_t)(x0 + i) * width + (size_t)u * G);
             const float k = a->step[(size_t)(x0 + i) * groups + u] * sc;
             acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(k), acc[i]);
         }
