@@ -26,10 +26,9 @@ ISAS = ("native", *HELD)
 def hold(isa: str) -> None:
     """Set `isa`'s variables and run this program again under them, as they are read when each
     library starts (torch's, already imported here, among them); nothing where they are set."""
-    wanted = HELD.get(isa, {})
-    if all(os.environ.get(name) == value for name, value in wanted.items()):
+    if isa == held_isa() or isa not in HELD:  # held already, or "native"
         return
-    os.environ.update(wanted)
+    os.environ.update(HELD[isa])
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
