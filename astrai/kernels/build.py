@@ -34,7 +34,7 @@ SOURCES = tuple(
         "decode_layers.c",
     )
 )  # fmt: skip
-HEADERS = (Path(__file__).with_name("vector_math.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h", "quantized.h"))
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 ISA_NAMES = {1: "avx2", 2: "avx512_vnni"}
 

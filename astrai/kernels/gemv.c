@@ -6,37 +6,9 @@
  * headers, so it compiles in seconds. Two paths, picked at run time: AVX-512 VNNI (vpdpbusd,
  * two blocks of 32 per 512-bit register) and AVX2 (vpmaddubsw + vpmaddwd, one block per
  * register). Rows of W are split across the OpenMP threads of the libgomp torch itself loads, so
- * there is one thread pool in the process.
- *
- * Layouts (rows padded to a multiple of 64 inputs and to a multiple of 4 rows, the padding
- * zero; `out` is the real count, only those outputs are written):
- *   int4: nibbles uint8 in tiles of 4 rows, [out/4][in/unit][4][unit/2], the unit 64 inputs
- *         (groups of 32 and 64) or the group of 128 (UNIT): each unit of a row takes unit/2
- *         bytes, byte j holding input j in its low nibble and input unit/2 + j in its high
- *         one, so that one load unpacks into whole blocks, and the 4 rows of a tile follow
- *         each other, so that a pass over 4 rows reads one stream. scale, zero: bfloat16 bits
- *         [out][in/group]; W = (q - 8) * scale + zero.
- *   int8: w + 128 as bytes in the same tiles, [out/4][in/64][4][64]; one float32 scale per
- *         row. Unsigned, the weights are vpdpbusd's unsigned operand as they lie, and the
- *         128 * sum(x) the offset adds is one number per activation row and call (`offset`):
- *         at one row on a 2-core AMD Zen 4, the product from cache ran 1.6x as fast as one
- *         that split each weight into magnitude and sign (llama.cpp's Q8_0 x Q8_0 way).
- * Activations x are float32 [rows][in] (in the real width, any); y float32
- * [rows][out]. */
-#include <immintrin.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+ * there is one thread pool in the process. The layouts and the activations: quantized.h. */
+#include "quantized.h"
 
-#include "vector_math.h"
-
-#define BLOCK 32
-#define PAIR 64
-/* Weight rows a pass multiplies together, interleaved in memory. Measured streaming 4864 x 896
- * from memory, one thread: 4 rows stored apart (4 streams, a row apart) ran at 13-16 GB/s
- * (int8) and 13-15 (int4), one row a pass at 24 and 18: streams that close trip each other. */
-#define TILE 4
 /* At one activation row a pass multiplies several tiles, each a share of the thread's range
  * apart, so that the weights are read as that many sequential streams. Over the 0.5B shapes on
  * a 2-core Intel Xeon (two threads; reading alone 28-31 GB/s), one stream a thread read the
@@ -53,159 +25,10 @@
 #define INT4_STREAMS 2
 #define STREAMS 4 /* the most of either */
 #define ROW(r) (row0 + (r) / TILE * apart + (r) % TILE)
-/* Inputs of a 4-bit row a load unpacks: 64 (32 bytes, byte j holding input j low and 32 + j
- * high: two blocks of 32), or a group of 128 (64 bytes, byte j holding input j and 64 + j),
- * so that one load, a shift and two masks unpack a group where two broadcasting loads, two
- * variable shifts and two masks did. */
-#define UNIT(G) ((G) > PAIR ? (G) : PAIR)
-
-/* Where row `row`'s pair `p` starts, in a layout of TILE-row tiles of `bytes` a pair-row. */
-static inline size_t tiled(int row, int p, int pairs, int bytes) {
-    return (((size_t)(row / TILE) * pairs + p) * TILE + row % TILE) * bytes;
-}
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-
-/* The activations of one call, quantized once and read by every thread. */
-typedef struct {
-    int rows, width;      /* width: padded to a multiple of PAIR */
-    int8_t *q;            /* [rows][width] */
-    int block;            /* inputs a step covers: BLOCK, or a 4-bit group of 128 */
-    float *step;          /* [rows][width / block]: x ~= q * step per block */
-    float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each
-                             (blocks of BLOCK only: a step per group needs no lanes) */
-    float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
-    float *offset;        /* [rows]: 128 times the sum of q * step over the row (int8) */
-} Activations;
-
-/* compiled for AVX2 (every CPU the products run on has it), so the rounding is one instruction */
-AVX2 static float nearest(float v) { return __builtin_roundevenf(v); }
-
-/* One block of `block` inputs (a multiple of 32, all of them real) to int8: amax, the step
- * and q = round-half-even(v * (127 / amax)), eight lanes at a time; the same operations as the
- * scalar loop below, lane by lane (a max, one float multiply, one rounding), so the same bits.
- * Returns the sum of q. */
-AVX2 static int quantize_block8(const float *v, int block, int8_t *q, float *step) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 most = _mm256_setzero_ps();
-    for (int j = 0; j < block; j += 8)
-        most = _mm256_max_ps(most, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-    *step = amax / 127.0f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    __m256i total = _mm256_setzero_si256();
-    for (int j = 0; j < block; j += 32) {
-        __m256i n[4];
-        for (int k = 0; k < 4; k++) {
-            __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(v + j + 8 * k), inv);
-            n[k] = _mm256_cvtps_epi32(
-                _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            total = _mm256_add_epi32(total, n[k]);
-        }
-        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
-                                           _mm256_packs_epi32(n[2], n[3]));
-        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(bytes, order));
-    }
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
-}
-
-/* The scalar order of operations both paths share, so that the AVX-512 and AVX2 products
- * quantize identically; whole blocks take quantize_block8, which does the same lane by lane.
- * Rows are split over the threads. Against the scalar loop alone on one thread (a 2-core AMD
- * Zen 4, int8 products of 64 outputs, where quantizing is most of the call): 4864 inputs at
- * 1 / 4 / 16 rows 17.3 / 45.6 / 157 us -> 12.2 / 19.0 / 51.9, 896 inputs 9.2 / 14.4 / 35.8 ->
- * 8.5 / 10.4 / 17.2. */
-AVX2 static void quantize_activations(const float *x, int in, Activations *a, int group,
-                                      int threads) {
-    const int block = a->block, blocks = a->width / block, groups = a->width / group;
-#pragma omp parallel for num_threads(threads) if (a->rows > 1)
-    for (int r = 0; r < a->rows; r++) {
-        const float *row = x + (size_t)r * in;
-        int8_t *q = a->q + (size_t)r * a->width;
-        float *step = a->step + (size_t)r * blocks;
-        /* each block's sum of q * step, into the row's total and its weight group's */
-        float total = 0.0f, *sums = a->group_sum ? a->group_sum + (size_t)r * groups : NULL;
-        for (int g = 0; sums && g < groups; g++) sums[g] = 0.0f;
-        for (int b = 0; b < blocks; b++) {
-            int start = b * block, left = in - start, t = 0;
-            int valid = left < 0 ? 0 : left < block ? left : block; /* the padding reads as 0 */
-            if (valid == block) {
-                t = quantize_block8(row + start, block, q + start, step + b);
-            } else {
-                float amax = 0.0f;
-                for (int j = 0; j < valid; j++) {
-                    float v = __builtin_fabsf(row[start + j]);
-                    amax = v > amax ? v : amax;
-                }
-                float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                step[b] = amax / 127.0f;
-                for (int j = 0; j < block; j++) {
-                    q[start + j] = (int8_t)(j < valid ? nearest(row[start + j] * inv) : 0.0f);
-                    t += q[start + j];
-                }
-            }
-            total += (float)t * step[b];
-            if (sums)
-                sums[b * block / group] += (float)t * step[b];
-        }
-        float *lanes = a->lanes + (size_t)r * (a->width / PAIR) * 16;
-        for (int p = 0; block == BLOCK && p < a->width / PAIR; p++)
-            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[2 * p + l / 8];
-        a->offset[r] = 128.0f * total;
-    }
-}
-
-static int alloc_activations(Activations *a, int rows, int width, int group, int block) {
-    a->rows = rows;
-    a->width = width;
-    a->block = block;
-    size_t qbytes = ((size_t)rows * width + 63) / 64 * 64;
-    a->q = aligned_alloc(64, qbytes);
-    a->step = malloc(sizeof(float) * (size_t)rows * (width / block));
-    a->lanes = aligned_alloc(64, sizeof(float) * (size_t)rows * (width / PAIR) * 16);
-    a->group_sum = group ? malloc(sizeof(float) * (size_t)rows * (width / group)) : NULL;
-    a->offset = malloc(sizeof(float) * (size_t)rows);
-    return a->q && a->step && a->lanes && (!group || a->group_sum) && a->offset;
-}
-
-static void free_activations(Activations *a) {
-    free(a->q);
-    free(a->step);
-    free(a->lanes);
-    free(a->group_sum);
-    free(a->offset);
-}
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
 AVX512 INLINE float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-/* 64 weights of one row as bytes: the low nibbles (block 0) in the lower 256 bits, the high
- * nibbles (block 1) in the upper. */
-AVX512 INLINE __m512i unpack_pair(const uint8_t *p) {
-    __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-    return _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(0x0f));
-}
-
-/* A unit's weights of one row as bytes, 64 inputs a vector (wq[k]: inputs 64k to 64k + 63 of
- * the unit). A unit of 64 (groups of 32 and 64) is unpack_pair's; one of 128 is a whole cache
- * line, byte j holding input j low and 64 + j high: one load and three operations for 128
- * weights, where two of unpack_pair's take two loads and four (see UNIT). */
-AVX512 INLINE void unpack_unit(const uint8_t *w, const int G, __m512i *wq) {
-    if (UNIT(G) == PAIR) {
-        wq[0] = unpack_pair(w);
-        return;
-    }
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512i bytes = _mm512_loadu_si512(w);
-    wq[0] = _mm512_and_si512(bytes, low);
-    wq[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-}
 
 /* Two groups' scales (bf16 bits) as 8 lanes each. */
 AVX512 INLINE __m512 scale_pair(const uint16_t *s) {
