@@ -13,12 +13,16 @@ each that divides the shape (and each product that runs here, astrai/infer/suppo
 and keeps the fastest. docs/inference.md says why no other product is offered.
 
 Past some number of rows (a prompt's), a matrix multiplied by "gemv" takes another road
-(`split`): the weights dequantized from the kernel's packing (gemv.c), a slice of outputs at a
-time, and torch's dense product. gemv streams the weights once but multiplies
-each row apart; at 2,048 rows of the 0.5B shapes it ran 117-134 GFLOP/s on a 2-core Intel
-Xeon, where dequantizing (2-12 ms a matrix) and torch's float32 product ran 307-390 and the
-bfloat16 one (AMX) 1,100-1,400: the road multiplies in bfloat16 where that is native
-(`dense_dtype`). prepare_params measures where the road pays.
+(`split`, `road`), since gemv streams the weights once but multiplies each row apart: at 2,048
+rows of the 0.5B shapes it ran 117-134 GFLOP/s on a 2-core Intel Xeon. The roads:
+
+- "gemm": our blocked product of the same packed weights and int8 activations (gemm.c), where
+  AVX-512 VNNI runs: 1,400-1,800 GOP/s on a 2-core AMD Zen 5 at 256-2,048 rows, gemv's 500-700;
+- "dense": the weights dequantized from the kernel's packing (gemv.c), a slice of outputs at a
+  time, and torch's dense product, in bfloat16 where that is native (`dense_dtype`): on the
+  Xeon torch's float32 product ran 307-390 GFLOP/s and the bfloat16 one (AMX) 1,100-1,400.
+
+prepare_params measures which road, and from how many rows, pays.
 """
 
 from __future__ import annotations
@@ -55,12 +59,13 @@ class Int4Matrix:
     group: int
     kernel: str  # one of KERNELS
     run: Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out], the chosen product
-    split: int | None = None  # gemv: inputs of more rows than this multiply dequantized
+    split: int | None = None  # gemv: inputs of more rows than this take `road`
+    road: str = "dense"  # one of ROADS
 
     @property
     def product(self) -> str:
         name = f"int4 {self.kernel}/{self.group}"
-        return name if self.split is None else f"{name} up to {self.split} rows, then dense"
+        return name if self.split is None else f"{name} up to {self.split} rows, then {self.road}"
 
     @property
     def shape(self) -> torch.Size:
@@ -146,9 +151,11 @@ def dense_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _dense(nibbles, scale, zero, group: int, shape) -> Callable:
+def _dense(gemv_run, scale, zero, group: int, shape) -> Callable:
     """x @ W.T through W dequantized (exactly `dequantize`'s values, rounded to dense_dtype), by
-    gemv.c's dequantizer, DENSE_CHUNK weights at a time, and torch's product."""
+    gemv.c's dequantizer from the nibbles gemv_run reads, DENSE_CHUNK weights at a time, and
+    torch's product."""
+    nibbles = gemv_run.weights[0]
     out_features, in_features = shape
     chunks = -(-out_features * in_features // DENSE_CHUNK)
     step = -(-out_features // chunks)  # output rows a chunk: even, so no thin last chunk
@@ -168,20 +175,33 @@ def _dense(nibbles, scale, zero, group: int, shape) -> Callable:
     return run
 
 
-def int4_matrix(w: torch.Tensor, kernel: str, group: int, split: int | None = None) -> Int4Matrix:
+def _gemm(gemv_run, scale, zero, group: int, shape) -> Callable:
+    """x @ W.T by gemm.c's blocked product of the weights gemv_run reads."""
+    return gemv.int4_gemm_product(*gemv_run.weights, group, shape)
+
+
+# what a gemv matrix's inputs past its split take: road(gemv's run, scale, zero, group, shape)
+ROADS = {"dense": _dense, "gemm": _gemm}
+
+
+def int4_matrix(
+    w: torch.Tensor, kernel: str, group: int, split: int | None = None, road: str = "dense"
+) -> Int4Matrix:
     """w [out, in] in 4 bits, groups of `group` inputs, multiplied by `kernel`'s product; with
-    split (gemv only), inputs of more rows than that dequantized and by torch's product."""
+    split (gemv only), inputs of more rows than that by `road` (one of ROADS)."""
     if kernel not in BUILDERS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; one of {', '.join(KERNELS)}")
     if group not in GROUPS:
         raise ValueError(f"int4 group must be one of {GROUPS}, got {group}")
     if split is not None and kernel != "gemv":
         raise ValueError(f"only the gemv int4 product splits by rows, not {kernel!r}")
+    if road not in ROADS:
+        raise ValueError(f"unknown int4 road {road!r}; one of {', '.join(ROADS)}")
     q, scale, zero = quantize_groups(w, group)
     packed, run = BUILDERS[kernel](q, scale, zero, group)
     if split is not None:
-        run = by_rows(run, _dense(packed, scale, zero, group, tuple(w.shape)), split)
-    return Int4Matrix(packed, scale, zero, group, kernel, run, split)
+        run = by_rows(run, ROADS[road](run, scale, zero, group, tuple(w.shape)), split)
+    return Int4Matrix(packed, scale, zero, group, kernel, run, split, road)
 
 
 def groups_for(in_features: int) -> list[int]:

@@ -19,6 +19,7 @@ from astrai.infer.packed import DTYPES
 from astrai.infer.quant import BUILDERS, Int8Matrix, int8_matrix, quantize_rows
 from astrai.infer.support import products_here
 from astrai.infer.timing import best_of_rounds, pass_seconds
+from astrai.kernels import gemv
 from astrai.model import Params
 from astrai.model.layers import FUSED, project
 
@@ -148,41 +149,46 @@ def _fastest_int4(
 
 def fastest_int4(
     out_features: int, in_features: int, device: torch.device, copies: int = 1
-) -> tuple[str, int, int | None]:
-    """(kernel, group size, split): the 4-bit product fastest for `copies` [out, in] matrices
-    streamed one after the other here, and for gemv the rows past which the dense road pays
-    (_int4_split; both cached)."""
+) -> tuple[str, int, int | None, str]:
+    """(kernel, group size, split, road): the 4-bit product fastest for `copies` [out, in]
+    matrices streamed one after the other here, and for gemv the road of prompt-sized inputs
+    and the rows past which it pays (_int4_split; both cached)."""
     threads = torch.get_num_threads()
     kernel, group = _fastest_int4(out_features, in_features, str(device), copies, threads)
     if kernel != "gemv":
-        return kernel, group, None
-    return kernel, group, _int4_split(out_features, in_features, str(device), group, threads)
+        return kernel, group, None, "dense"
+    return kernel, group, *_int4_split(out_features, in_features, str(device), group, threads)
 
 
 @functools.cache
 def _int4_split(
     out_features: int, in_features: int, device: str, group: int, threads: int
-) -> int | None:
-    """The rows up to which gemv stays faster than int4's dense road (dequantized weights and
-    torch's product) for float32 inputs, from DENSE_ROWS: the count before the first at which the
-    dense road wins, None where it never does. Timed on at most DENSE_SAMPLE output rows: both
-    take the same time per output at these row counts, and the head has 150,000 of them."""
+) -> tuple[int | None, str]:
+    """(split, road): the road (int4.ROADS, those that run here) fastest at the most rows of
+    DENSE_ROWS for float32 inputs, and the rows up to which gemv stays faster than it: the
+    count before the first at which the road wins, None where it never does. Timed on at most
+    DENSE_SAMPLE output rows: each takes the same time per output at these row counts, and
+    the head has 150,000 of them."""
     w = torch.randn(min(out_features, DENSE_SAMPLE), in_features, device=device)
-    few = int4.int4_matrix(w, "gemv", group)
-    many = int4.int4_matrix(w, "gemv", group, split=0)  # every input the dense road
-    runs = {"gemv": [few.run], "dense": [many.run]}
-    before = TUNE_ROWS[-1]
+    roads = ["dense", "gemm"] if gemv.isa() == 2 else ["dense"]
+    runs = {"gemv": [int4.int4_matrix(w, "gemv", group).run]}
+    for road in roads:  # split 0: every input takes the road
+        runs[road] = [int4.int4_matrix(w, "gemv", group, split=0, road=road).run]
+    timings = {}
     for rows in DENSE_ROWS:
         x = torch.randn(rows, in_features, device=device)
-        timings = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
+        timings[rows] = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
         log.info(
-            "int4 %dx%d/%d at %d rows: gemv %.3f ms, dense %.3f ms",
-            out_features, in_features, group, rows, timings["gemv"] * 1e3, timings["dense"] * 1e3,
+            "int4 %dx%d/%d at %d rows: %s", out_features, in_features, group, rows,
+            ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in timings[rows].items()),
         )  # fmt: skip
-        if timings["dense"] < timings["gemv"]:
-            return before
+    road = min(roads, key=timings[DENSE_ROWS[-1]].get)
+    before = TUNE_ROWS[-1]
+    for rows in DENSE_ROWS:
+        if timings[rows][road] < timings[rows]["gemv"]:
+            return before, road
         before = rows
-    return None
+    return None, road
 
 
 def _copies(matrices: list[torch.Tensor], bits: int) -> Counter:
@@ -302,7 +308,7 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
 def kernels_used(params: Params) -> dict[str, int]:
     """How many matrices of prepared params run each product: an Int8Matrix's product (its
     kernel, or "A up to N rows, then B"), a PackedMatrix's kernel, "int4 KERNEL/GROUP" for an
-    Int4Matrix (and "up to N rows, then dense" where it splits), "float" for a plain tensor."""
+    Int4Matrix (and "up to N rows, then ROAD" where it splits), "float" for a plain tensor."""
     counts: Counter[str] = Counter()
     for key, w in params.items():
         if isinstance(w, (int4.Int4Matrix, Int8Matrix)):

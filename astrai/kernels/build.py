@@ -30,7 +30,7 @@ log = logging.getLogger("astrai.infer")
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "gemv.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c",
+        "gemv.c", "gemm.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c",
         "decode_layers.c",
     )
 )  # fmt: skip
@@ -93,6 +93,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_gemv_isa.argtypes = []
     lib.astrai_int4_gemv.restype = i
     lib.astrai_int4_gemv.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
+    lib.astrai_int4_gemm.restype = i
+    lib.astrai_int4_gemm.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
     lib.astrai_int4_dequantize.restype = i
     lib.astrai_int4_dequantize.argtypes = [p, p, p, i, i, i, i, p, i, i]
     lib.astrai_int8_gemv.restype = i

@@ -1,4 +1,4 @@
-"""Python faces of the C products in gemv.c: the weight layouts they read, built once from the
+"""Python faces of the C products in gemv.c and gemm.c: the weight layouts they read, built once from the
 quantized matrices, and the calls, on tensors' data pointers.
 
 Activations are quantized to int8 inside each call, per block of 32 inputs, or per group for
@@ -123,6 +123,20 @@ def int4_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
     VNNI) forces one; threads defaults to torch's."""
     kernel = _library().astrai_int4_gemv
     return _call(kernel, "int4", shape, (nibbles, scale, zero), (group,), INT4)
+
+
+def isa() -> int:
+    """The 8- and 4-bit products' best path here: 2 AVX-512 VNNI, 1 AVX2 (0: neither, and
+    none runs). The many-row 4-bit product (int4_gemm_product) takes 2 only."""
+    return _library().astrai_gemv_isa()
+
+
+def int4_gemm_product(nibbles, scale, zero, group: int, shape: tuple[int, int]):
+    """int4_product's many-row road (gemm.c): the same weights, activations and arguments,
+    multiplied as a blocked matrix product; AVX-512 VNNI only (isa 2, or 0 where it is the
+    best path here)."""
+    kernel = _library().astrai_int4_gemm
+    return _call(kernel, "int4 gemm", shape, (nibbles, scale, zero), (group,), INT4)
 
 
 def int4_dequantize(nibbles, scale, zero, group: int, rows: range, in_features: int, dtype):

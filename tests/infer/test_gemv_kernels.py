@@ -47,7 +47,7 @@ def bound(x: torch.Tensor, weights: torch.Tensor, terms: torch.Tensor, block: in
     )
 
 
-def int4_case(out_features: int, in_features: int, group: int):
+def int4_case(out_features: int, in_features: int, group: int, product=gemv.int4_product):
     g = torch.Generator().manual_seed(out_features * in_features + group)
     w = torch.randn(out_features, in_features, generator=g)
     q, scale, zero = quantize_groups(w, group)
@@ -56,7 +56,7 @@ def int4_case(out_features: int, in_features: int, group: int):
     step = scale.repeat_interleave(group, dim=1)
     # the kernel sums q * scale and (zero - 8 * scale) apart: each at most |W| + 15 * scale
     terms = 2 * weights.abs() + 30 * step
-    run = gemv.int4_product(*packed, group, (out_features, in_features))
+    run = product(*packed, group, (out_features, in_features))
     return run, weights, terms, gemv.activation_block(group)
 
 
@@ -114,6 +114,34 @@ def test_rows_threads_and_paths_do_not_change_a_row(case):
     for isa in paths_here():
         alone = torch.cat([run(row[None], threads=1, isa=isa) for row in x])
         assert torch.equal(run(x, threads=2, isa=isa), alone)
+
+
+# [out, in, group]: a last panel of 32 columns part padding, and one past the 4-row tiles
+GEMM_CASES = [(13, 96, 32), (40, 256, 64), (9, 384, 128), (33, 160, 32), (70, 2176, 128)]
+
+
+@pytest.mark.parametrize("shape", GEMM_CASES)
+def test_the_many_row_product_is_within_the_rounding_and_a_row_alone_is_the_same(shape):
+    # gemm.c: blocks of six rows, then the rest in one; a row's sums are its own, and the
+    # threads split the columns, so a row's outputs are the same bits alone, in any batch
+    path(2)
+    run, weights, terms, block = int4_case(*shape, product=gemv.int4_gemm_product)
+    x = torch.randn(40, weights.shape[1], generator=torch.Generator().manual_seed(2))
+    for rows in (1, 5, 6, 7, 13, 40):
+        y = run(x[:rows], threads=2)
+        assert y.shape == (rows, weights.shape[0]) and y.dtype == torch.float32
+        assert bool(
+            ((y - x[:rows] @ weights.T).abs() <= bound(x[:rows], weights, terms, block)).all()
+        )
+    alone = torch.cat([run(row[None], threads=1) for row in x])
+    assert torch.equal(run(x, threads=2), alone)
+
+
+def test_the_many_row_product_refuses_the_avx2_path():
+    path(1)
+    run, *_ = int4_case(8, 64, 32, product=gemv.int4_gemm_product)
+    with pytest.raises(RuntimeError, match="int4 gemm kernel refused the call: an instruction"):
+        run(torch.randn(3, 64), isa=1)
 
 
 FLOAT_ISA = {1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx_bf16"}

@@ -16,6 +16,7 @@ from astrai.infer.int4 import (
     BUILDERS,
     GROUPS,
     KERNELS,
+    ROADS,
     dense_dtype,
     dequantize,
     groups_for,
@@ -174,27 +175,40 @@ def test_the_dense_road_multiplies_the_dequantized_weights(dtype, chunk, monkeyp
     assert bool(((y.double() - expected).abs() <= dense_bound(x, weights)).all())
 
 
-def test_a_split_matrix_takes_gemv_up_to_its_rows_and_the_dense_road_beyond():
-    skip_unless_here("gemv", (40, 256))
+def skip_unless_road_here(road: str) -> None:
+    skip_unless_here("gemv")
+    if road == "gemm" and gemv.isa() < 2:
+        pytest.skip("the gemm road takes AVX-512 VNNI, which this CPU lacks")
+
+
+@pytest.mark.parametrize("road", ROADS)
+def test_a_split_matrix_takes_gemv_up_to_its_rows_and_its_road_beyond(road):
+    skip_unless_road_here(road)
     x, w = operands("signed", 4)
-    split, few, many = (int4_matrix(w, "gemv", 32, s) for s in (6, None, 0))
+    split, few, many = (int4_matrix(w, "gemv", 32, s, road) for s in (6, None, 0))
+    assert split.product == f"int4 gemv/32 up to 6 rows, then {road}"
     rows = x.flatten(0, 1)  # 12 rows
     assert torch.equal(split.linear(rows[:6]), few.linear(rows[:6]))
     assert torch.equal(split.linear(rows[:7]), many.linear(rows[:7]))
+    assert not torch.equal(many.linear(rows[:7]), few.linear(rows[:7]))  # another road ran
     with pytest.raises(ValueError, match="only the gemv int4 product splits"):
         int4_matrix(w, "weight_only", 32, 6)
+    with pytest.raises(ValueError, match="unknown int4 road 'sparse'; one of dense, gemm"):
+        int4_matrix(w, "gemv", 32, 6, "sparse")
 
 
-def test_engine_prompts_on_the_dense_road_match_a_prefill_and_decode_loop(monkeypatch):
-    # a prompt of more than 2 rows takes the dense road, a decode step gemv; each rounds its
-    # own way (gemv its activations to int8), so the reference takes the same roads: a prefill
-    # and decode steps rather than recomputation of every prefix, one request at a time (a
-    # step that carries one request's token beside another's prompt is a dense one)
-    skip_unless_here("gemv")
-    monkeypatch.setattr(prepare, "fastest_int4", lambda *shape: ("gemv", 32, 2))
+@pytest.mark.parametrize("road", ROADS)
+def test_engine_prompts_on_a_road_match_a_prefill_and_decode_loop(road, monkeypatch):
+    # a prompt of more than 2 rows takes the road, a decode step gemv; each rounds its own way
+    # (gemv and gemm their activations to int8, summed in other orders), so the reference takes
+    # the same roads: a prefill and decode steps rather than recomputation of every prefix, one
+    # request at a time (a step that carries one request's token beside another's prompt takes
+    # the road)
+    skip_unless_road_here(road)
+    monkeypatch.setattr(prepare, "fastest_int4", lambda *shape: ("gemv", 32, 2, road))
     params, cfg = make_model("gqa")
     reference = prepare_params(params, quantize="int4")
-    assert set(kernels_used(reference)) == {"int4 gemv/32 up to 2 rows, then dense"}
+    assert set(kernels_used(reference)) == {f"int4 gemv/32 up to 2 rows, then {road}"}
     prompts = [[5, 17, 42, 8], [100, 3, 250, 77, 9, 11]]
     with Engine(params, cfg, None, quantize="int4", page_size=4, max_batch=4) as e:
         for prompt in prompts:
@@ -229,6 +243,42 @@ def test_engine_matches_recomputation_with_the_same_4_bit_weights(kind, kernel, 
         outs = e.generate(prompts, max_tokens=12, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == greedy_reference(reference, cfg, prompt, 12)
+
+
+# (ms a row, ms a call) of each product; then the (split, road) chosen with the gemm road and
+# without it (a CPU without AVX-512 VNNI): the road fastest at 1,024 rows, and the rows of
+# DENSE_ROWS (64, 256, 1,024) before the first at which it beats gemv
+ROAD_COSTS = {
+    "gemm from 64 rows": (
+        {"gemv": (1.0, 0), "dense": (0.4, 20), "gemm": (0.3, 10)}, (16, "gemm"), (16, "dense")
+    ),
+    "dense from 256 rows": (
+        {"gemv": (1.0, 0), "dense": (0.2, 80), "gemm": (0.9, 0)}, (64, "dense"), (64, "dense")
+    ),
+    "gemv throughout": (
+        {"gemv": (0.1, 0), "dense": (0.4, 20), "gemm": (0.3, 10)}, (None, "gemm"), (None, "dense")
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", [1, 2])
+@pytest.mark.parametrize("case", ROAD_COSTS)
+def test_prompts_take_the_road_fastest_at_most_rows_from_where_it_beats_gemv(
+    case, isa, monkeypatch
+):
+    skip_unless_here("gemv")
+    costs, with_gemm, without = ROAD_COSTS[case]
+    monkeypatch.setattr(gemv, "isa", lambda: isa)
+    timed = {name: cost for name, cost in costs.items() if isa == 2 or name != "gemm"}
+
+    def timings(runs, measure):
+        rows = measure.keywords["x"].shape[0]
+        assert set(runs) == set(timed)
+        return {name: per_row * rows + fixed for name, (per_row, fixed) in timed.items()}
+
+    monkeypatch.setattr(prepare, "best_of_rounds", timings)
+    chosen = prepare._int4_split.__wrapped__(64, 96, "cpu", 32, 1)
+    assert chosen == (with_gemm if isa == 2 else without)
 
 
 def test_no_4_bit_product_here_is_an_error_naming_each_and_why(fresh_choices):
