@@ -11,14 +11,14 @@
  * column's scale; the zero points' share is added at the end, (zero - 8 scale) times the row's
  * sum over each group (gemv.c's int4_finish, as vectors of columns).
  *
- * Measured on a 2-core AMD EPYC Zen 5 (two threads), the 0.5B shape's layer of 4-bit matrices
- * (1152, 896, 4864, 4864 x 896 and 896 x 4864) at 2,048 rows: 1,045-1,064 GOP/s, against
- * 628-656 for the dense road (dequantized to bfloat16 and torch's product) and 1,180-1,230 for
- * torch's int8 x int8 product; a register-only loop of vpdpbusd peaks there at ~4.2 G a core a
- * second, ~1,080 GOP/s for the two. Unpacking the panels takes 1% of it, quantizing the
- * activations 3%. Blocks of 4 or 6 rows and 32 or 64 columns ran alike (within 2%). gcc 12
- * copied each accumulator to another register around every vpdpbusd of the intrinsic (730
- * GOP/s), hence the one-line assembly.
+ * Measured on a 2-core AMD EPYC Zen 5 (two threads, freed memory kept as prepare_params has
+ * it: astrai/infer/allocator.py), the 0.5B shape's layer of 4-bit matrices (1152, 896, 4864,
+ * 4864 x 896 and 896 x 4864): 1,400-1,800 GOP/s from 256 to 2,048 rows, against 500-700 for
+ * gemv, 660-920 for the dense road (dequantized to bfloat16 and torch's product) and
+ * 1,180-1,230 for torch's int8 x int8 product; unpacking the panels takes 1% of it at 2,048
+ * rows, quantizing the activations 3%. Blocks of 4 or 6 rows and 32 or 64 columns ran alike
+ * (within 2%). gcc 12 copied each accumulator to another register around every vpdpbusd of
+ * the intrinsic (730 GOP/s against 1,050 at the time), hence the one-line assembly.
  *
  * Each output's sum runs in the same order whatever the number of rows or threads (a row's
  * accumulators are its own; threads split the columns): a row's outputs are the same bits alone
