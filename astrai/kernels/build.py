@@ -31,7 +31,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "gemv.c", "gemm.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c",
-        "decode_layers.c",
+        "decode_layers.c", "prompt_attention.c",
     )
 )  # fmt: skip
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h", "quantized.h"))
@@ -115,6 +115,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_gated_activation.argtypes = [p, p, i64, i, i, i, i, p, i]
     lib.astrai_cross_entropy_grad.restype = i
     lib.astrai_cross_entropy_grad.argtypes = [p, i, i64, i64, p, i64, f, p, i]
+    lib.astrai_masked_attention_isa.restype = i
+    lib.astrai_masked_attention_isa.argtypes = []
+    lib.astrai_masked_attention.restype = i
+    lib.astrai_masked_attention.argtypes = [p, p, p, p, i, i, p, i, i, i, i, i, i, f, i]
     lib.astrai_decode_layers.restype = i
     lib.astrai_decode_layers.argtypes = [p, p, p, p]  # astrai/infer/fused_layers.py's structures
     return lib

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from astrai.hardware import native_bf16
+from astrai.kernels import prompt_attention
+from astrai.kernels.prompt_attention import masked_attention as prompt_kernel
 
 log = logging.getLogger("astrai.infer")
 
@@ -105,9 +107,12 @@ def attend_fused_causal(
 def attend_masked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v by the faster path here (module docstring): the products
+    """softmax(q k^T * scale + mask) v by the faster path here (module docstring): our prompt
+    kernel for inference's prompt chunks where it wins (`_kernel_pays`), the products
     for prompt chunks and training sequences where they pay (`_products_pay`), the fused kernel
     otherwise."""
+    if _kernel_pays(q, k, v, mask):
+        return prompt_kernel(q, k, v, mask, scale)
     if _products_pay(q, k):
         return attend_by_products(q, k, v, mask, scale)
     return attend_fused(q, k, v, mask, scale)
@@ -120,10 +125,23 @@ def attend_causal(
     products over a causal mask in training where they pay (`_products_pay`), the fused causal
     kernel otherwise."""
     # without gradients, the causal kernel: inference's timing is of chunks after cached keys
+    if not torch.is_grad_enabled() and q.shape[2] == k.shape[2] > 1:
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)[None, None]
+        if _kernel_pays(q, k, v, mask):
+            return prompt_kernel(q, k, v, mask, scale)
     if torch.is_grad_enabled() and _products_pay(q, k):
         mask = causal_mask(q.shape[2], k.shape[2], q.device)[None, None]
         return attend_by_products(q, k, v, mask, scale)
     return attend_fused_causal(q, k, v, scale)
+
+
+def _kernel_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether our prompt kernel is the path: inference (no gradient: the kernel has none),
+    more than one query row, inputs it takes (float32 or bfloat16 on a CPU with AVX-512), and
+    measured faster than torch's path here for this dtype and head shape (`kernel_wins`)."""
+    if torch.is_grad_enabled() or q.shape[2] == 1 or not prompt_attention.takes(q, k, v, mask):
+        return False
+    return kernel_wins(q.dtype, k.shape[1], q.shape[1] // k.shape[1], q.shape[3])
 
 
 def _products_pay(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -160,6 +178,29 @@ def _best_of_three(fn, *args, give_up: float = float("inf")) -> float:
         fn(*args)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+@functools.cache
+def kernel_wins(dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> bool:
+    """Whether our prompt kernel beats the faster of torch's fused kernel and the products
+    here for `dtype` inputs, at products_win's chunk (256 tokens after 768 cached), timed once
+    per process and logged."""
+    T, S = 256, 1024
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads * groups, T, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(1, heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
+    mask = causal_mask(T, S)[None, None]
+    products = products_win(dtype, "cpu", heads, groups, head_dim)
+    torchs = attend_by_products if products else attend_fused
+    theirs = _best_of_three(torchs, q, k, v, mask, None)
+    ours = _best_of_three(prompt_kernel, q, k, v, mask, None, give_up=4 * theirs)
+    log.info(
+        "%s attention, %d-token chunk over %d keys (%d x %d heads of %d): our kernel %.2f ms, "
+        "torch's %s %.2f ms",
+        str(dtype).removeprefix("torch."), T, S, heads, groups, head_dim, ours * 1e3,
+        torchs.__name__, theirs * 1e3,
+    )  # fmt: skip
+    return ours < theirs
 
 
 @functools.cache

@@ -19,19 +19,23 @@ from astrai.infer import (
 )
 from astrai.infer.layouts import LAYOUTS
 from astrai.infer.support import products_here
+from astrai.kernels import prompt_attention
 from astrai.model import masked_attention
 
 PAGE_SIZE = 4
 
 
-@pytest.fixture(params=["fused", "products"], autouse=True)
+@pytest.fixture(params=["fused", "products", "kernel"], autouse=True)
 def attention(request, monkeypatch):
     """Every test here runs with prompt chunks attended by each path, whichever one this
     machine measures faster (astrai/model/masked_attention.py), without gradients as the
-    Engine runs them."""
+    Engine runs them: torch's fused kernel, its products, our prompt kernel (where it runs)."""
+    if request.param == "kernel" and not prompt_attention.runs_here():
+        pytest.skip("the prompt attention kernel takes AVX-512")
     monkeypatch.setattr(
         masked_attention, "products_win", lambda *shape: request.param == "products"
     )
+    monkeypatch.setattr(masked_attention, "kernel_wins", lambda *shape: request.param == "kernel")
     with torch.no_grad():
         yield request.param
 

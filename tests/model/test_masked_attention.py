@@ -75,6 +75,8 @@ def test_training_takes_the_products_exactly_in_native_bf16(native, monkeypatch)
     # a rule, not a timing: a resumed run must take the path its first process took
     monkeypatch.setattr(masked_attention, "_native_bf16", lambda device_type: native)
     monkeypatch.setattr(masked_attention, "products_win", lambda *shape: pytest.fail("timed"))
+    # inference's prompt kernel (tests/infer/test_prompt_attention.py) held off: torch's paths
+    monkeypatch.setattr(masked_attention, "kernel_wins", lambda *shape: False)
     g = torch.Generator().manual_seed(0)
     causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
     for dtype in (torch.float32, torch.bfloat16):
