@@ -30,8 +30,8 @@ log = logging.getLogger("astrai.infer")
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "gemv.c", "gemm.c", "float_gemv.c", "amx.c", "attention.c", "pointwise.c", "cross_entropy.c",
-        "decode_layers.c", "prompt_attention.c",
+        "gemv.c", "gemm.c", "float_gemv.c", "amx.c", "attention.c", "prompt_attention.c",
+        "pointwise.c", "cross_entropy.c", "decode_layers.c",
     )
 )  # fmt: skip
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h", "quantized.h"))

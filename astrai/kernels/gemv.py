@@ -1,5 +1,5 @@
-"""Python faces of the C products in gemv.c and gemm.c: the weight layouts they read, built once from the
-quantized matrices, and the calls, on tensors' data pointers.
+"""Python faces of the C products in gemv.c and gemm.c: the weight layouts they read, built once
+from the quantized matrices, and the calls, on tensors' data pointers.
 
 Activations are quantized to int8 inside each call, per block of 32 inputs, or per group for
 4-bit weights in groups of 128 (`activation_block`; one float32 step a block, the block's

@@ -1,6 +1,6 @@
 """Attention with an explicit mask (cached and paged inference, packed documents) and square
-causal attention: torch's fused kernels, or two batched matrix products and a softmax,
-whichever measures faster here.
+causal attention: torch's fused kernels, two batched matrix products and a softmax, or (in
+inference) our C kernel, whichever measures faster here.
 
 torch's fused CPU attention kernel (the flash kernel SDPA takes on a CPU) computed a bf16 paged
 prefill of 4 x 512 tokens of the small benchmark model at ~150 GFLOP/s on AMD Zen 4: 14-16 ms
@@ -13,7 +13,10 @@ the fused kernel and 7-10 ms as products on AMD Zen 5, 11 against 11-17 ms in fl
 benchmark's small model without a mask (8 x 256 tokens, 8 heads sharing 2 of 64) 40 ms through
 the fused causal kernel and 19 ms as products in bf16, 41 against 48 ms in float32.
 Inference measures which wins on the running machine, once per dtype and head shape
-(`products_win`). Training takes the products exactly where it runs in bf16 that the CPU
+(`products_win`), and, where the CPU has AVX-512, whether our own prompt kernel beats both
+(`kernel_wins`; astrai/kernels/prompt_attention.c: it reads only the keys each block of query
+rows may see, 2.7x torch's fused kernel on a 4 x 512 causal prompt of the 0.5B shape on AMD
+Zen 5, float32). Training takes the products exactly where it runs in bf16 that the CPU
 multiplies natively: a rule rather than a timing, so that a resumed run takes the path the
 first one took and resumes bit-exactly. One query row (a decode step) keeps the fused kernel:
 products measured faster in isolation at 64 rows and no faster in a decode step (a paged
@@ -121,10 +124,11 @@ def attend_masked(
 def attend_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
-    """Square causal attention without a mask (training, a whole prompt without a cache): the
-    products over a causal mask in training where they pay (`_products_pay`), the fused causal
-    kernel otherwise."""
-    # without gradients, the causal kernel: inference's timing is of chunks after cached keys
+    """Square causal attention without a mask (training, a whole prompt without a cache): our
+    prompt kernel over a causal mask in inference where it wins (`_kernel_pays`), the products
+    over one in training where they pay (`_products_pay`), the fused causal kernel otherwise."""
+    # without gradients, our prompt kernel where it wins, else torch's causal kernel (not the
+    # products: inference's timing is of chunks after cached keys)
     if not torch.is_grad_enabled() and q.shape[2] == k.shape[2] > 1:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)[None, None]
         if _kernel_pays(q, k, v, mask):
