@@ -288,26 +288,38 @@ def test_no_4_bit_product_here_is_an_error_naming_each_and_why(fresh_choices):
         Engine(params, cfg, None, quantize="int4")
 
 
-def largest_group(kernel: str):
+def largest_group(kernel: str, road: str | None = None):
     """fastest_int4 held to `kernel` at the largest group size that divides: the coarsest
-    4-bit weights it may choose."""
-    return lambda out_features, in_features, *rest: (kernel, groups_for(in_features)[-1])
+    4-bit weights it may choose; with a road, every input of more than 0 rows takes it."""
+
+    def chosen(out_features, in_features, *rest):
+        group = groups_for(in_features)[-1]
+        return (kernel, group) if road is None else (kernel, group, 0, road)
+
+    return chosen
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "kernel, road", [(k, None) for k in KERNELS] + [("gemv", r) for r in ROADS]
+)
 def test_a_trained_model_keeps_its_perplexity_and_greedy_choices_in_4_bits(
     trained,  # noqa: F811
     kernel,
+    road,
     monkeypatch,
 ):
-    skip_unless_here(kernel)
-    monkeypatch.setattr(prepare, "fastest_int4", largest_group(kernel))
+    if road is None:
+        skip_unless_here(kernel)
+    else:
+        skip_unless_road_here(road)
+    monkeypatch.setattr(prepare, "fastest_int4", largest_group(kernel, road))
     params, cfg = trained
     held_out = markov_text(32, 33, seed=10_000)
     full = perplexity(params, cfg, held_out)
     assert full < 6  # it learnt the chain (2.6 at best, 64 knowing nothing)
     int4 = prepare_params(params, quantize="int4")
-    assert set(kernels_used(int4)) <= {f"int4 {kernel}/{g}" for g in GROUPS}
+    after = "" if road is None else f" up to 0 rows, then {road}"
+    assert set(kernels_used(int4)) <= {f"int4 {kernel}/{g}{after}" for g in GROUPS}
     assert abs(perplexity(int4, cfg, held_out) - full) / full < 0.03
     with torch.inference_mode():
         a = ai.forward(params, cfg, held_out).argmax(-1)
