@@ -187,13 +187,22 @@ def _best_of_three(fn, *args, give_up: float = float("inf")) -> float:
 CHUNK = (256, 1024)  # the prompt chunk the paths are timed at: 256 tokens after 768 cached
 
 
-def _timed_chunk(dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> tuple:
-    """(q, k, v, mask, scale) of a CHUNK-sized prompt chunk, random, for timing the paths."""
+def _race(first, second, dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> tuple:
+    """(first's, second's) best time on a random CHUNK-sized prompt chunk (K/V heads `heads`,
+    `groups` query heads each), logged; second gives up past four times first's."""
     T, S = CHUNK
     g = torch.Generator().manual_seed(0)  # the global generator's stream stays the caller's
     q = torch.randn(1, heads * groups, T, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(1, heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
-    return q, k, v, causal_mask(T, S)[None, None], None
+    chunk = (q, k, v, causal_mask(T, S)[None, None], None)
+    a = _best_of_three(first, *chunk)
+    b = _best_of_three(second, *chunk, give_up=4 * a)
+    log.info(
+        "%s attention, %d-token chunk over %d keys (%d x %d heads of %d): %s %.2f ms, %s %.2f ms",
+        str(dtype).removeprefix("torch."), T, S, heads, groups, head_dim, second.__name__,
+        b * 1e3, first.__name__, a * 1e3,
+    )  # fmt: skip
+    return a, b
 
 
 @functools.cache
@@ -201,17 +210,9 @@ def kernel_wins(dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> b
     """Whether our prompt kernel beats the faster of torch's fused kernel and the products
     here for `dtype` inputs, at products_win's chunk (256 tokens after 768 cached), timed once
     per process and logged."""
-    chunk = _timed_chunk(dtype, heads, groups, head_dim)
     products = products_win(dtype, "cpu", heads, groups, head_dim)
     torchs = attend_by_products if products else attend_fused
-    theirs = _best_of_three(torchs, *chunk)
-    ours = _best_of_three(prompt_kernel, *chunk, give_up=4 * theirs)
-    log.info(
-        "%s attention, %d-token chunk over %d keys (%d x %d heads of %d): our kernel %.2f ms, "
-        "torch's %s %.2f ms",
-        str(dtype).removeprefix("torch."), *CHUNK, heads, groups, head_dim, ours * 1e3,
-        torchs.__name__, theirs * 1e3,
-    )  # fmt: skip
+    theirs, ours = _race(torchs, prompt_kernel, dtype, heads, groups, head_dim)
     return ours < theirs
 
 
@@ -226,13 +227,5 @@ def products_win(
     size, 0.43x at 512 tokens after 1,536). Off the CPU the fused kernels are kept."""
     if device_type != "cpu":
         return False
-    chunk = _timed_chunk(dtype, heads, groups, head_dim)
-    fused = _best_of_three(attend_fused, *chunk)
-    products = _best_of_three(attend_by_products, *chunk, give_up=4 * fused)
-    log.info(
-        "%s attention, %d-token chunk over %d keys (%d x %d heads of %d): products %.2f ms, "
-        "fused kernel %.2f ms",
-        str(dtype).removeprefix("torch."), *CHUNK, heads, groups, head_dim, products * 1e3,
-        fused * 1e3,
-    )  # fmt: skip
+    fused, products = _race(attend_fused, attend_by_products, dtype, heads, groups, head_dim)
     return products < 0.9 * fused

@@ -4,6 +4,7 @@ import pytest
 import torch
 from numerics import assert_close
 
+from astrai.kernels import prompt_attention
 from astrai.model import masked_attention
 from astrai.model.masked_attention import (
     attend_by_products,
@@ -30,10 +31,13 @@ def test_products_and_fused_kernel_agree():
 
 def test_timing_the_paths_leaves_the_global_random_stream_alone():
     products_win.cache_clear()
+    masked_attention.kernel_wins.cache_clear()
     torch.manual_seed(1)
     expected = torch.rand(3)
     torch.manual_seed(1)
     products_win(torch.float32, "cpu", 1, 2, 8)
+    if prompt_attention.runs_here():  # our kernel against torch's faster path
+        masked_attention.kernel_wins(torch.float32, 1, 2, 8)
     assert torch.equal(torch.rand(3), expected)
 
 
