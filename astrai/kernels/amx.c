@@ -20,6 +20,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "vector_math.h"
+
 /* compilers that know the tile instructions, on Linux, where the OS hands out the tiles */
 #if ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)) && \
     defined(__linux__) && defined(SYS_arch_prctl)
@@ -65,32 +67,6 @@ AMX static void configure_tiles(void) {
         config.bytes_per_row[t] = 64;
     }
     _tile_loadconfig(&config);
-}
-
-/* The 16 x 16 32-bit values r[row] as their transpose, in place: pairs within 128-bit lanes,
- * then quads, then the lanes themselves. */
-AMX static void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* b[4i + j], lane L: rows 4i..4i+3 of column 4L + j */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) { /* column 4L + j: lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
-        __m512i even = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88);
-        __m512i odd = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xdd);
-        __m512i even2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88);
-        __m512i odd2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xdd);
-        r[j] = _mm512_shuffle_i32x4(even, even2, 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(even, even2, 0xdd);
-        r[4 + j] = _mm512_shuffle_i32x4(odd, odd2, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(odd, odd2, 0xdd);
-    }
 }
 
 /* x's n rows [.][in] float32 as pairs [in / 2][16] of two bfloat16 inputs (rounded to nearest

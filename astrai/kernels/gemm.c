@@ -33,39 +33,13 @@
 /* vpdpbusd, acc += the 4-byte dots of w (unsigned) with x (signed), as one instruction */
 #define DOT(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
 
-/* r[c] (16 dwords each) as r[j] = dword j of each r[c], in c's order: a 16 x 16 transpose of
- * 32-bit words, in 128-bit lanes (unpacks) and then across them (shuffles). */
-AVX512 INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* r[i + m], lane L: rows i .. i + 3 at dword 4L + m */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int m = 0; m < 4; m++) { /* dword 4L + m: lane L of r[m], r[4 + m], r[8 + m], r[12 + m] */
-        __m512i low = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44);
-        __m512i high = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xee);
-        __m512i low2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
-        __m512i high2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xee);
-        t[m] = _mm512_shuffle_i32x4(low, low2, 0x88);
-        t[4 + m] = _mm512_shuffle_i32x4(low, low2, 0xdd);
-        t[8 + m] = _mm512_shuffle_i32x4(high, high2, 0x88);
-        t[12 + m] = _mm512_shuffle_i32x4(high, high2, 0xdd);
-    }
-    for (int j = 0; j < 16; j++) r[j] = t[j];
-}
-
 /* Columns c0 .. c0 + PANEL of the 4-bit matrix as the panel's bytes (columns past
  * `padded_out`, the last panel's, zero), and each group's scale and zero - 8 scale per column,
  * float32 [groups][PANEL]. A unit of 16 columns unpacks into 16 vectors of 64 inputs (16 words
- * of four) each, which one transpose turns into the panel's 16 steps. Against a copy a word at
- * a time (the two alternating in one process, the 0.5B layer's matrices, two threads): 0.52 ->
- * 0.35 ms at one row, 0.77 -> 0.59 at 16, 1.66 -> 1.48 at 64, 37.8 -> 37.2 at 2,048. */
+ * of four) each, which one transpose (vector_math.h) turns into the panel's 16 steps. Against
+ * a copy a word at a time (the two alternating in one process, the 0.5B layer's matrices, two
+ * threads): 0.52 -> 0.35 ms at one row, 0.77 -> 0.59 at 16, 1.66 -> 1.48 at 64, 37.8 -> 37.2
+ * at 2,048. */
 AVX512 static void unpack_panel(const uint8_t *nibbles, const uint16_t *scale,
                                 const uint16_t *zero, int padded_out, int width, const int G,
                                 int c0, uint8_t *panel, float *scales, float *offsets) {

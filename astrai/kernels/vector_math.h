@@ -1,5 +1,5 @@
-/* What more than one kernel of this folder computes: bfloat16 widening and rounding, and 8
- * floats at a time (AVX2 + FMA). */
+/* What more than one kernel of this folder computes: bfloat16 widening and rounding, 8 floats
+ * at a time (AVX2 + FMA), and a 16 x 16 transpose of 32-bit words (AVX-512). */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -68,4 +68,32 @@ AVX2 INLINE float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define AVX512_WORDS __attribute__((target("avx512f")))
+
+/* The 16 x 16 32-bit values r[row] as their transpose, in place: pairs within 128-bit lanes,
+ * then quads, then the lanes themselves. */
+AVX512_WORDS INLINE void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + j], lane L: rows 4i..4i+3 of column 4L + j */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* column 4L + j: lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
+        __m512i even = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88);
+        __m512i odd = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xdd);
+        __m512i even2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88);
+        __m512i odd2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xdd);
+        r[j] = _mm512_shuffle_i32x4(even, even2, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(even, even2, 0xdd);
+        r[4 + j] = _mm512_shuffle_i32x4(odd, odd2, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(odd, odd2, 0xdd);
+    }
 }
