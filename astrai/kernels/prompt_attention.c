@@ -29,25 +29,6 @@
 #define KEYS 64    /* keys a block: four vectors */
 #define MAX_DIM 256
 
-/* e^x for x <= 0, 16 lanes: exp8's polynomial (vector_math.h) */
-AVX512F INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    e = _mm512_slli_epi32(e, 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 /* A mask: bool bytes, true where a query may attend a key, or additive float32 (added to the
  * scaled scores; -inf where it may not), [batches][T][S]. */
 typedef struct {
