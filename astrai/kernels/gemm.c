@@ -2,14 +2,14 @@
  * weights once and multiplies each activation row apart: the same packed weights and the same
  * int8 activations (quantized.h), multiplied as a blocked matrix product. AVX-512 VNNI only.
  *
- * Each thread takes panels of PANEL output columns. A panel's weights are unpacked once from
- * the nibbles into vpdpbusd's unsigned operand, [width / 4][PANEL][4] bytes (four consecutive
- * inputs of each column side by side), and stay in L2 while every activation row passes over
+ * Each thread takes panels of PANEL output columns (two column blocks). A panel's weights are
+ * masked apart once from the nibbles into vpdpbusd's unsigned operand, [width / 4][PANEL][4]
+ * bytes (four consecutive inputs of each column side by side), and stay in L2 while every activation row passes over
  * them, ROWS at a time: each step loads the panel's 4 inputs x PANEL columns (two vectors),
  * broadcasts each row's 4 int8 inputs, and adds 2 x ROWS integer dots into as many
  * accumulators. A group's integer sums become float once, times the row's step and the
  * column's scale; the zero points' share is added at the end, (zero - 8 scale) times the row's
- * sum over each group (gemv.c's int4_finish, as vectors of columns).
+ * sum over each group.
  *
  * Measured on a 2-core AMD EPYC Zen 5 (two threads, freed memory kept as prepare_params has
  * it: astrai/infer/allocator.py), the 0.5B shape's layer of 4-bit matrices (1152, 896, 4864,
@@ -22,8 +22,8 @@
  *
  * Each output's sum runs in the same order whatever the number of rows or threads (a row's
  * accumulators are its own; threads split the columns): a row's outputs are the same bits alone
- * or in any batch. They differ from gemv's in the float rounding only (gemv adds 16 lanes of
- * partial sums, here whole integer sums of a group). */
+ * or in any batch, and the same as gemv's, which sums the same integers and floats in the same
+ * order. */
 #include "quantized.h"
 
 #define PANEL 32                  /* output columns a panel: two vectors of 16 */
@@ -35,39 +35,36 @@
 
 /* Columns c0 .. c0 + PANEL of the 4-bit matrix as the panel's bytes (columns past
  * `padded_out`, the last panel's, zero), and each group's scale and zero - 8 scale per column,
- * float32 [groups][PANEL]. A unit of 16 columns unpacks into 16 vectors of 64 inputs (16 words
- * of four) each, which one transpose (vector_math.h) turns into the panel's 16 steps. Against
- * a copy a word at a time (the two alternating in one process, the 0.5B layer's matrices, two
- * threads): 0.52 -> 0.35 ms at one row, 0.77 -> 0.59 at 16, 1.66 -> 1.48 at 64, 37.8 -> 37.2
- * at 2,048. */
+ * float32 [groups][PANEL]. A line of a column block (quantized.h) is two of the panel's steps
+ * once its nibbles are apart: the low ones (inputs 0-3 of its 16 columns) and the high ones. */
 AVX512 static void unpack_panel(const uint8_t *nibbles, const uint16_t *scale,
                                 const uint16_t *zero, int padded_out, int width, const int G,
                                 int c0, uint8_t *panel, float *scales, float *offsets) {
-    const int unit = UNIT(G), units = width / unit, groups = width / G;
-    for (int c16 = 0; c16 < PANEL; c16 += 16)
-        for (int u = 0; u < units; u++)
-            for (int half = 0; half < unit / 64; half++) { /* 64 inputs: 16 steps of four */
-                __m512i words[16];
-                for (int c = 0; c < 16; c++) {
-                    __m512i wq[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-                    if (c0 + c16 + c < padded_out)
-                        unpack_unit(nibbles + tiled(c0 + c16 + c, u, units, unit / 2), G, wq);
-                    words[c] = wq[half];
-                }
-                transpose16(words);
-                uint8_t *to = panel + ((size_t)(u * unit + 64 * half) * PANEL + 4 * c16);
-                for (int j = 0; j < 16; j++)
-                    _mm512_store_si512(to + (size_t)j * 4 * PANEL, words[j]);
-            }
-    for (int g = 0; g < groups; g++)
-        for (int c = 0; c < PANEL; c++) {
-            const int col = c0 + c;
-            const size_t at = (size_t)col * groups + g;
-            const float s = col < padded_out ? bf16_to_float(scale[at]) : 0.0f;
-            const float z = col < padded_out ? bf16_to_float(zero[at]) : 0.0f;
-            scales[g * PANEL + c] = s;
-            offsets[g * PANEL + c] = __builtin_fmaf(-8.0f, s, z);
+    const int octets = width / 8, groups = width / G;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int v = 0; v < VECTORS; v++) {
+        const int column = c0 / COLUMNS + v;
+        const int real = COLUMNS * column < padded_out;
+        const uint8_t *line = nibbles + (size_t)column * octets * 64;
+        for (int k = 0; k < octets; k++) {
+            const __m512i bytes = real ? _mm512_load_si512(line + (size_t)k * 64)
+                                       : _mm512_setzero_si512();
+            uint8_t *to = panel + (size_t)k * 8 * PANEL + 64 * v;
+            _mm512_store_si512(to, _mm512_and_si512(bytes, low));
+            _mm512_store_si512(to + 4 * PANEL, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
         }
+        for (int g = 0; g < groups; g++) {
+            const size_t at = ((size_t)column * groups + g) * COLUMNS;
+            __m512 s = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+            if (real) {
+                s = load16_bf16(scale + at);
+                z = load16_bf16(zero + at);
+            }
+            _mm512_store_ps(scales + g * PANEL + 16 * v, s);
+            _mm512_store_ps(offsets + g * PANEL + 16 * v,
+                            _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z));
+        }
+    }
 }
 
 /* R activation rows from x0 times the panel at column c0, into y. The step is the
@@ -169,7 +166,7 @@ int astrai_int4_gemm(const float *x, int rows, int in, const uint8_t *nibbles,
         return -2;
     }
     quantize_activations(x, in, &a, group, threads);
-    const int padded_out = (out + TILE - 1) / TILE * TILE, panels = (out + PANEL - 1) / PANEL;
+    const int padded_out = (out + COLUMNS - 1) / COLUMNS * COLUMNS, panels = (out + PANEL - 1) / PANEL;
     const int groups = width / group;
     int failed = 0;
 #pragma omp parallel num_threads(threads)

@@ -15,7 +15,8 @@ from astrai.kernels.build import kernel_library, why_absent
 
 BLOCK = 32  # inputs an activation step covers (8-bit weights; 4-bit: activation_block)
 PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
-TILE = 4  # weight rows a pass multiplies, stored interleaved (one stream for the prefetcher)
+TILE = 4  # 8-bit weight rows a pass multiplies, stored interleaved (one stream for the prefetcher)
+COLUMNS = 16  # 4-bit weight rows a block holds: the outputs of one vector
 
 
 def activation_block(group: int) -> int:
@@ -35,9 +36,9 @@ def padded_width(in_features: int) -> int:
     return -(-in_features // PAIR) * PAIR
 
 
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """t [out, ...] with zero columns up to `width` and zero rows up to a multiple of TILE."""
-    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % TILE))
+def _pad(t: torch.Tensor, width: int, rows: int = TILE) -> torch.Tensor:
+    """t [out, ...] with zero columns up to `width` and zero rows up to a multiple of `rows`."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % rows))
 
 
 def _tiled(rows: torch.Tensor, bytes_per_unit: int) -> torch.Tensor:
@@ -52,27 +53,24 @@ def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).view(torch.int16).contiguous()
 
 
-def int4_unit(group: int) -> int:
-    """Inputs of a 4-bit row one load of the product unpacks (gemv.c's UNIT): PAIR, or the
-    group where it is larger, so that a group of 128 is one cache line."""
-    return max(PAIR, group)
-
-
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
-    """(nibbles uint8 [out / TILE, width / unit, TILE, unit / 2], scale and zero bf16 bits int16
-    [out, width / group]) from quantize_groups' q (uint8 in [0, 16)), scale and zero; width is
-    in rounded up to PAIR and out to TILE, the padding's weights zero; unit is int4_unit(group).
-    Each unit of a row takes unit / 2 bytes, byte j holding input j in its low nibble and input
-    unit / 2 + j in its high one: one load unpacks into whole blocks."""
+    """(nibbles uint8 [out / 16, width / 8, 16, 4], scale and zero bf16 bits int16
+    [out / 16, width / group, 16]) from quantize_groups' q (uint8 in [0, 16)), scale and zero;
+    width is in rounded up to PAIR and out to COLUMNS, the padding's weights zero. Each 64-byte
+    line holds 8 inputs of a block's 16 rows: row r's byte j holds input j in its low nibble and
+    input 4 + j in its high one (quantized.h)."""
     in_features = q.shape[1]
     width = padded_width(in_features)
     if width % group:
         raise ValueError(f"group {group} does not divide the padded width {width}")
-    unit = int4_unit(group)
-    q = _pad(q, width).view(-1, width // unit, 2, unit // 2)
-    nibbles = _tiled((q[:, :, 0] | (q[:, :, 1] << 4)).view(q.shape[0], width // 2), unit // 2)
-    groups = width // group
-    return nibbles, _bf16_bits(_pad(scale, groups)), _bf16_bits(_pad(zero, groups))
+    q = _pad(q, width, COLUMNS).view(-1, COLUMNS, width // 8, 2, 4)
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / 16, groups, 16]
+        padded = _pad(t, width // group, COLUMNS)
+        return _bf16_bits(padded).view(-1, COLUMNS, padded.shape[1]).transpose(1, 2).contiguous()
+
+    return nibbles, columns(scale), columns(zero)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:

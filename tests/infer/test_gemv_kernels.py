@@ -123,7 +123,8 @@ GEMM_CASES = [(13, 96, 32), (40, 256, 64), (9, 384, 128), (33, 160, 32), (70, 21
 @pytest.mark.parametrize("shape", GEMM_CASES)
 def test_the_many_row_product_is_within_the_rounding_and_a_row_alone_is_the_same(shape):
     # gemm.c: blocks of six rows, then the rest in one; a row's sums are its own, and the
-    # threads split the columns, so a row's outputs are the same bits alone, in any batch
+    # threads split the columns, so a row's outputs are the same bits alone, in any batch,
+    # and as gemv's
     path(2)
     run, weights, terms, block = int4_case(*shape, product=gemv.int4_gemm_product)
     x = torch.randn(40, weights.shape[1], generator=torch.Generator().manual_seed(2))
@@ -135,6 +136,8 @@ def test_the_many_row_product_is_within_the_rounding_and_a_row_alone_is_the_same
         )
     alone = torch.cat([run(row[None], threads=1) for row in x])
     assert torch.equal(run(x, threads=2), alone)
+    # gemv.c sums the same integers and floats in the same order: the same bits on either road
+    assert torch.equal(int4_case(*shape)[0](x, isa=2), alone)
 
 
 def test_the_many_row_product_refuses_the_avx2_path():

@@ -182,15 +182,23 @@ def skip_unless_road_here(road: str) -> None:
 
 
 @pytest.mark.parametrize("road", ROADS)
-def test_a_split_matrix_takes_gemv_up_to_its_rows_and_its_road_beyond(road):
+def test_a_split_matrix_takes_gemv_up_to_its_rows_and_its_road_beyond(road, monkeypatch):
     skip_unless_road_here(road)
+    taken = []  # the row counts the road multiplied
+
+    def counted(*args, build=ROADS[road]):
+        run = build(*args)
+        return lambda x, *rest, **named: taken.append(len(x)) or run(x, *rest, **named)
+
+    monkeypatch.setitem(ROADS, road, counted)
     x, w = operands("signed", 4)
     split, few, many = (int4_matrix(w, "gemv", 32, s, road) for s in (6, None, 0))
     assert split.product == f"int4 gemv/32 up to 6 rows, then {road}"
     rows = x.flatten(0, 1)  # 12 rows
-    assert torch.equal(split.linear(rows[:6]), few.linear(rows[:6]))
-    assert torch.equal(split.linear(rows[:7]), many.linear(rows[:7]))
-    assert not torch.equal(many.linear(rows[:7]), few.linear(rows[:7]))  # another road ran
+    assert torch.equal(split.linear(rows[:6]), few.linear(rows[:6])) and taken == []
+    assert torch.equal(split.linear(rows[:7]), many.linear(rows[:7])) and taken == [7, 7]
+    # gemm sums what gemv sums in the same order: the same bits; the dense road rounds apart
+    assert torch.equal(many.linear(rows[:7]), few.linear(rows[:7])) == (road == "gemm")
     with pytest.raises(ValueError, match="only the gemv int4 product splits"):
         int4_matrix(w, "weight_only", 32, 6)
     with pytest.raises(ValueError, match="unknown int4 road 'sparse'; one of dense, gemm"):
