@@ -9,20 +9,6 @@
  * activations: quantized.h. */
 #include "quantized.h"
 
-/* At one activation row an 8-bit pass multiplies several tiles, each a share of the thread's
- * range apart, so that the weights are read as that many sequential streams. Over the 0.5B
- * shapes on a 2-core Intel Xeon (two threads; reading alone 28-31 GB/s), one stream a thread
- * read the int8 weights at 21-23 GB/s and four at 25-28. On a 2-core AMD Zen 4 one, two and
- * four streams read alike from memory (21-23 GB/s, alternating in one process), while from
- * cache four ran at a third of two's speed (33 against 107 GB/s): gcc 12 did not unroll the
- * loop over sixteen rows, so their accumulators lived in memory, not registers; hence the
- * pragma. Later, with the memory reading 37-44 GB/s, four streams read 1.09-1.10x as fast as
- * two from memory (and 0.9x from cache, at 88-103 GB/s, far past any memory): four. Row r of
- * a pass is ROW(r). */
-#define INT8_STREAMS 4
-#define STREAMS INT8_STREAMS
-#define ROW(r) (row0 + (r) / TILE * apart + (r) % TILE)
-
 /* ---------------------------------------------------------------- 4-bit weights, AVX-512 VNNI */
 
 /* acc += the 4-byte dots of w (unsigned) with the 4 signed bytes at p, broadcast from memory:
@@ -55,9 +41,9 @@ AVX512 INLINE void int4_column512(const uint8_t *nibbles, const uint16_t *scale,
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         __m512i lo[8], hi[8];
+        lo[1] = hi[1] = _mm512_setzero_si512(); /* one row's second pair */
 #pragma GCC unroll 8
-        for (int i = 0; i < (NX == 1 ? 2 : NX); i++)
-            lo[i] = hi[i] = _mm512_setzero_si512();
+        for (int i = 0; i < NX; i++) lo[i] = hi[i] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int k = 0; k < per_block; k++, line += 64) {
             /* 2 KiB ahead, once every two lines: at one row the 0.5B shapes' matrices read
@@ -131,70 +117,73 @@ INT4_COLUMNS512(128)
 
 /* ---------------------------------------------------------------- 8-bit weights, AVX-512 VNNI */
 
-AVX512 INLINE float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-/* int8 weights, stored w + 128: sum((w + 128) x) - offset = sum(w x) */
-AVX512 INLINE void int8_tile512(const uint8_t *weight, const float *row_scale,
-                                const Activations *a, float *y, int out, int row0, int apart,
-                                int x0, const int R, const int NX) {
-    const int width = a->width, pairs = width / PAIR;
-    __m512 acc[STREAMS * TILE][4];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < NX; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int p = 0; p < pairs; p++) {
-        __m512i xq[4];
-        __m512 lanes[4];
-        for (int i = 0; i < NX; i++) {
-            xq[i] = _mm512_load_si512(a->q + (size_t)(x0 + i) * width + p * PAIR);
-            lanes[i] = _mm512_load_ps(a->lanes + ((size_t)(x0 + i) * pairs + p) * 16);
-        }
-#pragma GCC unroll 16 /* the accumulators in registers: see INT8_STREAMS */
-        for (int r = 0; r < R; r++) {
-            const uint8_t *w = weight + tiled(ROW(r), p, pairs, PAIR);
-            /* into L1 a little ahead and into L2 far ahead: the 0.5B shapes' streamed matrices
-             * read 1.11-1.25x as fast at one row and 1.16-1.8x at four as with only L1's 2 KiB
-             * ahead (2-core AMD Zen 4, alternating in one process); the 4-bit product, half
-             * the bytes a weight, gained nothing from the second */
-            _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + 8192, _MM_HINT_T1);
-            __m512i wu = _mm512_loadu_si512(w);
-            for (int i = 0; i < NX; i++) {
-                __m512 dot =
-                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xq[i]));
-                acc[r][i] = _mm512_fmadd_ps(dot, lanes[i], acc[r][i]);
+/* Column block `column` (16 weight rows, stored w + 128) times NX activation rows from x0:
+ * each line of 4 inputs x 16 rows is vpdpbusd's unsigned operand as it lies, against the row's
+ * 4 bytes broadcast from memory; a block of 32 inputs' integer sums become float once, times
+ * its step; at the end the offset (128 times the row's sum: quantized.h) comes off and the 16
+ * rows' scales multiply. At one row the sums alternate between two accumulators, so that
+ * consecutive vpdpbusd do not wait on each other; integer sums are exact, so each output is
+ * the same bits at any NX. */
+AVX512 INLINE void int8_column512(const uint8_t *weight, const float *row_scale,
+                                  const Activations *a, float *y, int out, int column, int x0,
+                                  const int NX) {
+    const int width = a->width, blocks = width / BLOCK;
+    const uint8_t *line = weight + (size_t)column * (width / 4) * 64;
+    const int8_t *xq = a->q + (size_t)x0 * width;
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m512i dots[8];
+        dots[1] = _mm512_setzero_si512(); /* one row's second accumulator */
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) dots[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int k = 0; k < BLOCK / 4; k++, line += 64) {
+            if (k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
+            if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            const __m512i v = _mm512_load_si512(line);
+            const int8_t *x = xq + (size_t)b * BLOCK + 4 * k;
+            if (NX == 1) {
+                DOT_BROADCAST(dots[k & 1], v, x);
+                continue;
             }
+#pragma GCC unroll 8
+            for (int i = 0; i < NX; i++) DOT_BROADCAST(dots[i], v, x + (size_t)i * width);
         }
+        if (NX == 1) dots[0] = _mm512_add_epi32(dots[0], dots[1]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]),
+                                     _mm512_set1_ps(a->step[(size_t)(x0 + i) * blocks + b]), acc[i]);
     }
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < NX && ROW(r) < out; i++)
-            y[(size_t)(x0 + i) * out + ROW(r)] =
-                (hsum512(acc[r][i]) - a->offset[x0 + i]) * row_scale[ROW(r)];
+    const __m512 scale = _mm512_loadu_ps(row_scale + (size_t)column * 16);
+    const int left = out - 16 * column;
+    const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++)
+        _mm512_mask_storeu_ps(y + (size_t)(x0 + i) * out + 16 * column, m,
+                              _mm512_mul_ps(_mm512_sub_ps(acc[i], _mm512_set1_ps(a->offset[x0 + i])), scale));
 }
 
-AVX512 static void int8_rows512(const uint8_t *w, const float *s, const Activations *a, float *y,
-                                int out, int r0, int r1) {
-    if (a->rows == 1) { /* INT8_STREAMS tiles a pass, that share of the range apart */
-        int span = (r1 - r0) / (TILE * INT8_STREAMS) * TILE;
-        for (int row = r0; row < r0 + span; row += TILE)
-            int8_tile512(w, s, a, y, out, row, span, 0, INT8_STREAMS * TILE, 1);
-        r0 += INT8_STREAMS * span;
-    }
-    for (int row = r0; row < r1;) {
-        int R = TILE; /* r1 - r0: whole tiles */
-        for (int x0 = 0; x0 < a->rows; x0 += 4) {
-            int nx = a->rows - x0 < 4 ? a->rows - x0 : 4;
-            if (R == 4 && nx == 1) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 1);
-            else if (R == 4 && nx == 2) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 2);
-            else if (R == 4 && nx == 3) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 3);
-            else if (R == 4) int8_tile512(w, s, a, y, out, row, 0, x0, 4, 4);
-            else if (nx == 1) int8_tile512(w, s, a, y, out, row, 0, x0, 1, 1);
-            else if (nx == 2) int8_tile512(w, s, a, y, out, row, 0, x0, 1, 2);
-            else if (nx == 3) int8_tile512(w, s, a, y, out, row, 0, x0, 1, 3);
-            else int8_tile512(w, s, a, y, out, row, 0, x0, 1, 4);
+/* A thread's column blocks c0..c1, each times every activation row, eight at a time. */
+AVX512 static void int8_columns512(const uint8_t *w, const float *s, const Activations *a, float *y,
+                                   int out, int c0, int c1) {
+    for (int c = c0; c < c1; c++) {
+        int x0 = 0;
+        for (; a->rows - x0 >= 8; x0 += 8) int8_column512(w, s, a, y, out, c, x0, 8);
+        switch (a->rows - x0) {
+        case 7: int8_column512(w, s, a, y, out, c, x0, 7); break;
+        case 6: int8_column512(w, s, a, y, out, c, x0, 6); break;
+        case 5: int8_column512(w, s, a, y, out, c, x0, 5); break;
+        case 4: int8_column512(w, s, a, y, out, c, x0, 4); break;
+        case 3: int8_column512(w, s, a, y, out, c, x0, 3); break;
+        case 2: int8_column512(w, s, a, y, out, c, x0, 2); break;
+        case 1: int8_column512(w, s, a, y, out, c, x0, 1); break;
         }
-        row += R;
     }
 }
+
 /* ---------------------------------------------------------------- 4-bit weights, AVX2 */
 
 /* int4_column512 for AVX2, on H halves of a column block from `half` (8 rows each: a line's
@@ -315,67 +304,84 @@ INT4_COLUMNS256(128)
 
 /* ---------------------------------------------------------------- 8-bit weights, AVX2 */
 
-/* the dot of 32 unsigned bytes with 32 signed ones, as 8 float lanes */
-AVX2 INLINE __m256 dot32(__m256i u, __m256i s) {
-    __m256i pairs = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-/* k[j] = the activation step j times its group's weight scale, for the 8 steps from s of n
-
-/* int8_tile512's pass for AVX2: a tile's R weight rows from row0 times NX activation rows from
- * x0. vpmaddubsw's 16-bit sums of (w + 128) x would saturate, so each stored byte is flipped
- * back to w (one xor) and split into |w| and a sign carried over to x. Where the loop took one
- * weight and activation row at a time (one chain of dependent sums), a 0.5B shape's layer of
- * 8-bit matrices (2-core AMD Zen 4 on this path, one row) multiplied at ~45 GB/s in cache
- * and 20 from memory. */
-AVX2 INLINE void int8_tile256(const uint8_t *weight, const float *row_scale, const Activations *a,
-                              float *y, int out, int row0, int x0, const int R, const int NX) {
-    const int width = a->width, pairs = width / PAIR, blocks = width / BLOCK;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[TILE][2];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
+/* int8_column512 for AVX2, on H halves of a column block from `half` (8 rows each) times NX
+ * activation rows from x0. vpmaddubsw's 16-bit sums of (w + 128) x would saturate, so each
+ * stored byte is flipped back to w (one xor) and split into |w| and a sign carried over to x;
+ * each line's pair sums widen by one vpmaddwd, a block of 32 inputs' integer sums become float
+ * once. One row takes both halves a pass, more rows one half and three rows a pass. */
+AVX2 INLINE void int8_half256(const uint8_t *weight, const float *row_scale, const Activations *a,
+                              float *y, int out, int column, int half, const int H, int x0,
+                              const int NX) {
+    const int width = a->width, blocks = width / BLOCK;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const uint8_t *line = weight + (size_t)column * (width / 4) * 64 + 32 * half;
+    const int8_t *xq = a->q + (size_t)x0 * width;
+    __m256 acc[2][3];
 #pragma GCC unroll 2
-        for (int i = 0; i < NX; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int p = 0; p < pairs; p++) {
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-            const uint8_t *w = weight + tiled(row0 + r, p, pairs, PAIR);
-            _mm_prefetch((const char *)w + 1024, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + 8192, _MM_HINT_T1);
+    for (int h = 0; h < H; h++)
+#pragma GCC unroll 3
+        for (int i = 0; i < NX; i++) acc[h][i] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i sum[2][3];
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                __m256i stored = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
-                __m256i signed_w = _mm256_xor_si256(stored, flip);
-                __m256i magnitude = _mm256_abs_epi8(signed_w);
+        for (int h = 0; h < H; h++)
+#pragma GCC unroll 3
+            for (int i = 0; i < NX; i++) sum[h][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int k = 0; k < BLOCK / 4; k++, line += 64) {
+            if (k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
+            if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            const int8_t *x = xq + (size_t)b * BLOCK + 4 * k;
 #pragma GCC unroll 2
+            for (int h = 0; h < H; h++) {
+                const __m256i w = _mm256_xor_si256(
+                    _mm256_loadu_si256((const __m256i *)(line + 32 * h)), flip);
+                const __m256i magnitude = _mm256_abs_epi8(w);
+#pragma GCC unroll 3
                 for (int i = 0; i < NX; i++) {
-                    const int8_t *xq = a->q + (size_t)(x0 + i) * width + (size_t)p * PAIR;
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * h));
-                    x = _mm256_sign_epi8(x, signed_w);
-                    __m256 dot = dot32(magnitude, x);
-                    float step = a->step[(size_t)(x0 + i) * blocks + 2 * p + h];
-                    acc[r][i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(step), acc[r][i]);
+                    int32_t four;
+                    memcpy(&four, x + (size_t)i * width, 4);
+                    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
+                    sum[h][i] = _mm256_add_epi32(
+                        sum[h][i], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
                 }
             }
         }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-        if (row0 + r < out)
 #pragma GCC unroll 2
+        for (int h = 0; h < H; h++)
+#pragma GCC unroll 3
             for (int i = 0; i < NX; i++)
-                y[(size_t)(x0 + i) * out + row0 + r] = sum8(acc[r][i]) * row_scale[row0 + r];
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i]),
+                                            _mm256_set1_ps(a->step[(size_t)(x0 + i) * blocks + b]),
+                                            acc[h][i]);
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 2
+    for (int h = 0; h < H; h++) {
+        const int first = 16 * column + 8 * (half + h);
+        const __m256 scale = _mm256_loadu_ps(row_scale + first);
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(out - first), lane);
+#pragma GCC unroll 3
+        for (int i = 0; i < NX; i++)
+            _mm256_maskstore_ps(y + (size_t)(x0 + i) * out + first, m, _mm256_mul_ps(acc[h][i], scale));
+    }
 }
 
-AVX2 static void int8_rows256(const uint8_t *weight, const float *row_scale, const Activations *a,
-                              float *y, int out, int r0, int r1) {
-    for (int row = r0; row < r1; row += TILE) /* r1 - r0: whole tiles */
-        for (int x0 = 0; x0 < a->rows; x0 += 2) {
-            if (a->rows - x0 == 1) int8_tile256(weight, row_scale, a, y, out, row, x0, TILE, 1);
-            else int8_tile256(weight, row_scale, a, y, out, row, x0, TILE, 2);
+/* A thread's column blocks c0..c1, as int4_columns256 takes them. */
+AVX2 static void int8_columns256(const uint8_t *w, const float *s, const Activations *a, float *y,
+                                 int out, int c0, int c1) {
+    for (int c = c0; c < c1; c++) {
+        if (a->rows == 1) {
+            int8_half256(w, s, a, y, out, c, 0, 2, 0, 1);
+            continue;
         }
+        for (int half = 0; half < 2; half++) {
+            int x0 = 0;
+            for (; a->rows - x0 >= 3; x0 += 3) int8_half256(w, s, a, y, out, c, half, 1, x0, 3);
+            if (a->rows - x0 == 2) int8_half256(w, s, a, y, out, c, half, 1, x0, 2);
+            else if (a->rows - x0 == 1) int8_half256(w, s, a, y, out, c, half, 1, x0, 1);
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- entry points */
@@ -396,7 +402,7 @@ int astrai_gemv_isa(void) {
     return isa = 0;
 }
 
-/* Each thread's share of `units` units of work (column blocks, tiles), as [*u0, *u1). */
+/* Each thread's share of `units` column blocks, as [*u0, *u1). */
 static void thread_share(int units, int *u0, int *u1) {
     int threads = omp_get_num_threads(), t = omp_get_thread_num();
     *u0 = (int)((long)units * t / threads);
@@ -485,7 +491,7 @@ int astrai_int4_dequantize(const uint8_t *nibbles, const float *scale, const flo
     return 0;
 }
 
-/* weight: w + 128 in tiles (see the top), width = in rounded up to 64 (w zero past in). */
+/* weight: w + 128 in column blocks (quantized.h), width = in rounded up to 64 (w zero past in). */
 int astrai_int8_gemv(const float *x, int rows, int in, const uint8_t *weight,
                      const float *row_scale, int out, float *y, int threads, int isa) {
     if (in <= 0 || rows <= 0 || out <= 0 || threads <= 0) return -1;
@@ -501,11 +507,10 @@ int astrai_int8_gemv(const float *x, int rows, int in, const uint8_t *weight,
     quantize_activations(x, in, &a, BLOCK, threads);
 #pragma omp parallel num_threads(threads)
     {
-        int r0, r1;
-        thread_share((out + TILE - 1) / TILE, &r0, &r1);
-        r0 *= TILE, r1 *= TILE;
-        if (isa == 2) int8_rows512(weight, row_scale, &a, y, out, r0, r1);
-        else int8_rows256(weight, row_scale, &a, y, out, r0, r1);
+        int c0, c1;
+        thread_share((out + COLUMNS - 1) / COLUMNS, &c0, &c1);
+        if (isa == 2) int8_columns512(weight, row_scale, &a, y, out, c0, c1);
+        else int8_columns256(weight, row_scale, &a, y, out, c0, c1);
     }
     free_activations(&a);
     return 0;

@@ -15,8 +15,7 @@ from astrai.kernels.build import kernel_library, why_absent
 
 BLOCK = 32  # inputs an activation step covers (8-bit weights; 4-bit: activation_block)
 PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
-TILE = 4  # 8-bit weight rows a pass multiplies, stored interleaved (one stream for the prefetcher)
-COLUMNS = 16  # 4-bit weight rows a block holds: the outputs of one vector
+COLUMNS = 16  # weight rows a column block holds: the outputs of one vector
 
 
 def activation_block(group: int) -> int:
@@ -36,17 +35,15 @@ def padded_width(in_features: int) -> int:
     return -(-in_features // PAIR) * PAIR
 
 
-def _pad(t: torch.Tensor, width: int, rows: int = TILE) -> torch.Tensor:
-    """t [out, ...] with zero columns up to `width` and zero rows up to a multiple of `rows`."""
-    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % rows))
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [out, ...] with zero columns up to `width` and zero rows up to a multiple of COLUMNS."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, -t.shape[0] % COLUMNS))
 
 
-def _tiled(rows: torch.Tensor, bytes_per_unit: int) -> torch.Tensor:
-    """[out, units * bytes] (out a multiple of TILE) as [out / TILE, units, TILE, bytes]: the
-    TILE rows' pieces of each unit of inputs side by side."""
-    out_features = rows.shape[0]
-    pieces = rows.view(out_features // TILE, TILE, -1, bytes_per_unit)
-    return pieces.transpose(1, 2).contiguous()
+def _columns(t: torch.Tensor, piece: int) -> torch.Tensor:
+    """[out, width] (out a multiple of COLUMNS) as [out / 16, width / piece, 16, piece]: each
+    `piece` inputs of a column block's 16 rows side by side, a line."""
+    return t.view(-1, COLUMNS, t.shape[1] // piece, piece).transpose(1, 2).contiguous()
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -63,21 +60,20 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: i
     width = padded_width(in_features)
     if width % group:
         raise ValueError(f"group {group} does not divide the padded width {width}")
-    q = _pad(q, width, COLUMNS).view(-1, COLUMNS, width // 8, 2, 4)
-    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+    q = _pad(q, width).view(-1, width // 8, 2, 4)
+    nibbles = _columns((q[:, :, 0] | (q[:, :, 1] << 4)).view(-1, width // 2), 4)
 
     def columns(t: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / 16, groups, 16]
-        padded = _pad(t, width // group, COLUMNS)
-        return _bf16_bits(padded).view(-1, COLUMNS, padded.shape[1]).transpose(1, 2).contiguous()
+        return _columns(_bf16_bits(_pad(t, width // group)), 1).squeeze(-1)
 
     return nibbles, columns(scale), columns(zero)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """The int8 [out, in] weights plus 128 (uint8) as [out / TILE, width / PAIR, TILE, PAIR],
-    width in rounded up to PAIR and out to TILE, the padding's weights zero: any width."""
+    """The int8 [out, in] weights plus 128 (uint8) as [out / 16, width / 4, 16, 4], width in
+    rounded up to PAIR and out to COLUMNS, the padding's weights zero: any width."""
     padded = _pad(q, padded_width(q.shape[1]))
-    return _tiled(padded.view(torch.uint8) ^ 0x80, PAIR)  # two's complement w + 128
+    return _columns(padded.view(torch.uint8) ^ 0x80, 4)  # two's complement w + 128
 
 
 def _library():
@@ -181,5 +177,5 @@ def int8_product(weight, row_scale, shape: tuple[int, int]):
     """run(x, threads=None, isa=0): x [..., in] @ W.T in float32, W = q * row_scale[:, None]
     of `shape` [out, in] (weight: pack_int8(q))."""
     kernel = _library().astrai_int8_gemv
-    scale = torch.nn.functional.pad(row_scale.float(), (0, -len(row_scale) % TILE))
+    scale = torch.nn.functional.pad(row_scale.float(), (0, -len(row_scale) % COLUMNS))
     return _call(kernel, "int8", shape, (weight, scale.contiguous()), (), INT8)

@@ -11,12 +11,13 @@
  *         bits [out/16][in/group][16], out padded to 16 (the padding zero); W = (q - 8) * scale
  *         + zero. Against rows of 128 inputs a cache line, each output's 16 lanes summed at the
  *         end (2-core AMD Zen 5, one activation row, two threads, alternating in one process):
- *         the 0.5B shapes' matrices streamed at 66-73 GB/s from memory against 39-46.
- *   int8: w + 128 as bytes in tiles of TILE (4) rows, [out/4][in/64][4][64] (the 4 rows' 64
- *         inputs side by side: one stream a pass); one float32 scale per row. Unsigned, the weights are vpdpbusd's unsigned operand as they lie, and the
- *         128 * sum(x) the offset adds is one number per activation row and call (`offset`):
- *         at one row on a 2-core AMD Zen 4, the product from cache ran 1.6x as fast as one
- *         that split each weight into magnitude and sign (llama.cpp's Q8_0 x Q8_0 way).
+ *         the 0.5B shapes' matrices streamed at 57-73 GB/s from memory against 39-46.
+ *   int8: w + 128 as bytes in the same column blocks, [out/16][in/4][16][4]: a line holds 4
+ *         inputs of the block's 16 rows, vpdpbusd's unsigned operand as it lies; one float32
+ *         scale per row, padded to 16. Unsigned, the 128 * sum(x) the offset adds is one number
+ *         per activation row and call (`offset`): at one row on a 2-core AMD Zen 4, the product
+ *         from cache ran 1.6x as fast as one that split each weight into magnitude and sign
+ *         (llama.cpp's Q8_0 x Q8_0 way).
  * Activations x are float32 [rows][in] (in the real width, any); y float32
  * [rows][out]. */
 #pragma once
@@ -30,16 +31,7 @@
 
 #define BLOCK 32
 #define PAIR 64
-/* Weight rows a pass multiplies together, interleaved in memory. Measured streaming 4864 x 896
- * from memory, one thread: 4 rows stored apart (4 streams, a row apart) ran at 13-16 GB/s
- * (int8) and 13-15 (int4), one row a pass at 24 and 18: streams that close trip each other. */
-#define TILE 4
-#define COLUMNS 16 /* a 4-bit block's output rows */
-
-/* Where row `row`'s pair `p` starts, in a layout of TILE-row tiles of `bytes` a pair-row. */
-static inline size_t tiled(int row, int p, int pairs, int bytes) {
-    return (((size_t)(row / TILE) * pairs + p) * TILE + row % TILE) * bytes;
-}
+#define COLUMNS 16 /* a column block's output rows: one vector of sums */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 
 /* 16 bfloat16 values (bits) from p as float32 */
