@@ -113,6 +113,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_rms_norm.argtypes = [p, p, i64, i, i, p, i, f, p, p, i]
     lib.astrai_gated_activation.restype = i
     lib.astrai_gated_activation.argtypes = [p, p, i64, i, i, i, i, p, i]
+    lib.astrai_argmax_rows.restype = None
+    lib.astrai_argmax_rows.argtypes = [p, i, i, i64, p, i]
     lib.astrai_cross_entropy_grad.restype = i
     lib.astrai_cross_entropy_grad.argtypes = [p, i, i64, i64, p, i64, f, p, i]
     lib.astrai_masked_attention_isa.restype = i

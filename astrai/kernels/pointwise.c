@@ -89,3 +89,42 @@ int astrai_gated_activation(const void *gate, const void *up, int64_t stride, in
         gate_row(gate, up, (size_t)r * stride, (size_t)r * n, n, bf16, act, out);
     return 0;
 }
+
+/* The first index of the row's largest value, as torch's argmax gives it (a NaN counts as the
+ * largest: the first NaN's index). Two passes over the row: its maximum eight lanes at a
+ * time, then the first index holding it; the row, just written by the head's product, is in
+ * the caches for both. */
+AVX2 static int64_t argmax_row(const float *x, int n) {
+    __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        top = _mm256_max_ps(top, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float most = -INFINITY, lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
+    int any_nan = _mm256_movemask_ps(nan);
+    for (int j = i; j < n; j++) {
+        any_nan |= x[j] != x[j];
+        most = x[j] > most ? x[j] : most;
+    }
+    for (int j = 0; any_nan && j < n; j++)
+        if (x[j] != x[j]) return j;
+    const __m256 target = _mm256_set1_ps(most);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == most) return i;
+    return 0; /* every value -inf */
+}
+
+/* out[r] = argmax_row of each of `rows` rows of `vocab` float32 logits, `stride` apart. */
+void astrai_argmax_rows(const float *x, int rows, int vocab, long stride, int64_t *out,
+                        int threads) {
+#pragma omp parallel for num_threads(threads) if ((long)rows * vocab > GRAIN * 8)
+    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * stride, vocab);
+}

@@ -99,6 +99,26 @@ def gated_activation(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits [B, V] float32 (rows with unit stride) -> [B] int64: the first index of each
+    row's maximum (a NaN the largest), as torch's argmax gives it. None where the kernel does
+    not take them (any V; no gradient flows through an index)."""
+    if (
+        logits.dim() != 2
+        or logits.dtype != torch.float32
+        or not logits.is_cpu
+        or logits.stride(-1) != 1
+        or torch.compiler.is_compiling()
+        or why_absent() is not None
+    ):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    kernel_library().astrai_argmax_rows(
+        logits.data_ptr(), *logits.shape, logits.stride(0), out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
 def _raise_on(code: int, what: str) -> None:
     if code:
         raise RuntimeError(f"the {what} kernel refused the call: a width not a multiple of 8")

@@ -116,8 +116,9 @@ def test_sampling_params_validate():
     seed=st.integers(0, 2**16),
 )
 def test_argmax_rows_is_argmax(rows, blocks, extra, ties, special, seed):
-    # the blocked argmax greedy decoding uses: the same first index as torch.argmax, also with
-    # tied maxima, rows of -inf, inf and NaN, and vocabularies it hands back to argmax
+    # the argmax greedy decoding uses (float32: our kernel, also on rows of a wider tensor;
+    # bfloat16: the blocked one): the same first index as torch.argmax, also with tied maxima,
+    # rows of -inf, inf and NaN, and vocabularies the blocked one hands back to argmax
     from astrai.infer.sampling import argmax_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -128,7 +129,9 @@ def test_argmax_rows_is_argmax(rows, blocks, extra, ties, special, seed):
     if special is not None:
         logits[0, int(torch.randint(vocab, (), generator=g))] = special
         logits[-1] = float("-inf")
-    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    wider = torch.cat([logits, logits], dim=1)[:, :vocab]
+    for each in (logits, logits.bfloat16(), wider):
+        assert torch.equal(argmax_rows(each), each.argmax(-1))
 
 
 GREEDY_ROWS = [
