@@ -193,13 +193,14 @@ AVX512 static void int8_columns512(const uint8_t *w, const float *s, const Activ
  * them; a step's integer sums become float once, as on the AVX-512 path. One row takes both
  * halves a pass, more rows one half and up to three rows: 3 x 3 sums beside the unpacked
  * half-line fill AVX2's 16 registers. */
-AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
-                              const Activations *a, float *y, int out, int column, int half,
-                              const int H, int x0, const int NX, const int G) {
+AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint8_t *unpacked,
+                              const uint16_t *scale, const uint16_t *zero, const Activations *a,
+                              float *y, int out, int column, int half, const int H, int x0,
+                              const int NX, const int G) {
     const int width = a->width, groups = width / G, octets = width / 8;
     const int block = G > PAIR ? G : BLOCK, blocks = width / block, per_block = block / 8;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const uint8_t *line = nibbles + (size_t)column * octets * 64 + 32 * half;
+    const uint8_t *line = unpacked ? unpacked : nibbles + (size_t)column * octets * 64 + 32 * half;
     const uint16_t *s8 = scale + (size_t)column * groups * 16 + 8 * half;
     const uint16_t *z8 = zero + (size_t)column * groups * 16 + 8 * half;
     const int8_t *xq = a->q + (size_t)x0 * width;
@@ -226,9 +227,15 @@ AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint16_t *scale, con
                 const int8_t *x = xq + (size_t)b * block + 8 * k;
 #pragma GCC unroll 2
                 for (int h = 0; h < H; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(line + 32 * h));
-                    const __m256i l = _mm256_and_si256(v, low);
-                    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    __m256i l, u;
+                    if (unpacked) { /* unpack_half256's: the low nibbles, then the high */
+                        l = _mm256_load_si256((const __m256i *)line);
+                        u = _mm256_load_si256((const __m256i *)(line + 32));
+                    } else {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(line + 32 * h));
+                        l = _mm256_and_si256(v, low);
+                        u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    }
 #pragma GCC unroll 3
                     for (int i = 0; i < NX; i++) {
                         int32_t first, second;
@@ -277,26 +284,44 @@ AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint16_t *scale, con
     }
 }
 
+/* A column block's half (8 rows) with its nibbles apart, [octets][2][32] bytes (each line's
+ * low nibbles, then its high ones), for int4_half256 to read where many activation rows pass
+ * over the same weights: the unpacking once, not once every three rows. */
+AVX2 static void unpack_half256(const uint8_t *nibbles, int octets, int column, int half,
+                                uint8_t *to) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const uint8_t *line = nibbles + (size_t)column * octets * 64 + 32 * half;
+    for (int k = 0; k < octets; k++, line += 64, to += 64) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)line);
+        _mm256_store_si256((__m256i *)to, _mm256_and_si256(v, low));
+        _mm256_store_si256((__m256i *)(to + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    }
+}
+
 /* A thread's column blocks c0..c1: one activation row both halves a pass, more rows each half
- * three rows at a time. */
+ * three rows at a time, from its nibbles unpacked once where there are more than three. */
 #define INT4_COLUMNS256(G)                                                                   \
     AVX2 static void int4_columns256_##G(const uint8_t *n, const uint16_t *s, const uint16_t *z, \
                                          const Activations *a, float *y, int out, int c0,    \
                                          int c1) {                                           \
+        const int octets = a->width / 8;                                                     \
+        uint8_t *u = a->rows > 3 ? aligned_alloc(64, (size_t)octets * 64) : NULL;            \
         for (int c = c0; c < c1; c++) {                                                      \
             if (a->rows == 1) {                                                              \
-                int4_half256(n, s, z, a, y, out, c, 0, 2, 0, 1, G);                          \
+                int4_half256(n, NULL, s, z, a, y, out, c, 0, 2, 0, 1, G);                    \
                 continue;                                                                    \
             }                                                                                \
             for (int half = 0; half < 2; half++) {                                           \
+                if (u) unpack_half256(n, octets, c, half, u);                                \
                 int x0 = 0;                                                                  \
                 for (; a->rows - x0 >= 3; x0 += 3)                                           \
-                    int4_half256(n, s, z, a, y, out, c, half, 1, x0, 3, G);                  \
-                if (a->rows - x0 == 2) int4_half256(n, s, z, a, y, out, c, half, 1, x0, 2, G); \
+                    int4_half256(n, u, s, z, a, y, out, c, half, 1, x0, 3, G);               \
+                if (a->rows - x0 == 2) int4_half256(n, u, s, z, a, y, out, c, half, 1, x0, 2, G); \
                 else if (a->rows - x0 == 1)                                                  \
-                    int4_half256(n, s, z, a, y, out, c, half, 1, x0, 1, G);                  \
+                    int4_half256(n, u, s, z, a, y, out, c, half, 1, x0, 1, G);               \
             }                                                                                \
         }                                                                                    \
+        free(u);                                                                             \
     }
 INT4_COLUMNS256(32)
 INT4_COLUMNS256(64)
