@@ -4,17 +4,17 @@
  *
  * Each thread takes panels of PANEL output columns (two column blocks). A panel's weights are
  * masked apart once from the nibbles into vpdpbusd's unsigned operand, [width / 4][PANEL][4]
- * bytes (four consecutive inputs of each column side by side), and stay in L2 while every activation row passes over
- * them, ROWS at a time: each step loads the panel's 4 inputs x PANEL columns (two vectors),
- * broadcasts each row's 4 int8 inputs, and adds 2 x ROWS integer dots into as many
- * accumulators. A group's integer sums become float once, times the row's step and the
+ * bytes (four consecutive inputs of each column side by side), and stay in L2 while every
+ * activation row passes over them, ROWS at a time: each step loads the panel's 4 inputs x
+ * PANEL columns (two vectors), broadcasts each row's 4 int8 inputs, and adds 2 x ROWS integer
+ * dots into as many accumulators. A group's integer sums become float once, times the row's step and the
  * column's scale; the zero points' share is added at the end, (zero - 8 scale) times the row's
  * sum over each group.
  *
  * Measured on a 2-core AMD EPYC Zen 5 (two threads, freed memory kept as prepare_params has
  * it: astrai/infer/allocator.py), the 0.5B shape's layer of 4-bit matrices (1152, 896, 4864,
  * 4864 x 896 and 896 x 4864): 1,400-1,800 GOP/s from 256 to 2,048 rows, against 500-700 for
- * gemv, 660-920 for the dense road (dequantized to bfloat16 and torch's product) and
+ * gemv then (in column blocks since, about as fast up to 64 rows), 660-920 for the dense road (dequantized to bfloat16 and torch's product) and
  * 1,180-1,230 for torch's int8 x int8 product; unpacking the panels takes 1% of it at 2,048
  * rows, quantizing the activations 3%. Blocks of 4 or 6 rows and 32 or 64 columns ran alike
  * (within 2%). gcc 12 copied each accumulator to another register around every vpdpbusd of
@@ -166,7 +166,8 @@ int astrai_int4_gemm(const float *x, int rows, int in, const uint8_t *nibbles,
         return -2;
     }
     quantize_activations(x, in, &a, group, threads);
-    const int padded_out = (out + COLUMNS - 1) / COLUMNS * COLUMNS, panels = (out + PANEL - 1) / PANEL;
+    const int padded_out = (out + COLUMNS - 1) / COLUMNS * COLUMNS;
+    const int panels = (out + PANEL - 1) / PANEL;
     const int groups = width / group;
     int failed = 0;
 #pragma omp parallel num_threads(threads)

@@ -14,7 +14,7 @@ import torch
 from astrai.kernels.build import kernel_library, why_absent
 
 BLOCK = 32  # inputs an activation step covers (8-bit weights; 4-bit: activation_block)
-PAIR = 64  # inputs one weight load covers: rows are padded to a multiple of it
+PAIR = 64  # rows are padded to a multiple of these inputs
 COLUMNS = 16  # weight rows a column block holds: the outputs of one vector
 
 

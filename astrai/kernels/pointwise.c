@@ -114,7 +114,8 @@ AVX2 static int64_t argmax_row(const float *x, int n) {
         if (x[j] != x[j]) return j;
     const __m256 target = _mm256_set1_ps(most);
     for (i = 0; i + 8 <= n; i += 8) {
-        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        const __m256 equal = _mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ);
+        const int hit = _mm256_movemask_ps(equal);
         if (hit) return i + __builtin_ctz(hit);
     }
     for (; i < n; i++)

@@ -46,8 +46,6 @@ typedef struct {
     int8_t *q;            /* [rows][width] */
     int block;            /* inputs a step covers: BLOCK, or a 4-bit group of 128 */
     float *step;          /* [rows][width / block]: x ~= q * step per block */
-    float *lanes;         /* [rows][width / PAIR][16]: the pair's two steps, 8 lanes each
-                             (blocks of BLOCK only: a step per group needs no lanes) */
     float *group_sum;     /* [rows][width / group]: sum of q * step over each weight group */
     float *offset;        /* [rows]: 128 times the sum of q * step over the row (int8) */
 } Activations;
@@ -127,9 +125,6 @@ AVX2 static void quantize_activations(const float *x, int in, Activations *a, in
             if (sums)
                 sums[b * block / group] += (float)t * step[b];
         }
-        float *lanes = a->lanes + (size_t)r * (a->width / PAIR) * 16;
-        for (int p = 0; block == BLOCK && p < a->width / PAIR; p++)
-            for (int l = 0; l < 16; l++) lanes[p * 16 + l] = step[2 * p + l / 8];
         a->offset[r] = 128.0f * total;
     }
 }
@@ -141,16 +136,14 @@ static int alloc_activations(Activations *a, int rows, int width, int group, int
     size_t qbytes = ((size_t)rows * width + 63) / 64 * 64;
     a->q = aligned_alloc(64, qbytes);
     a->step = malloc(sizeof(float) * (size_t)rows * (width / block));
-    a->lanes = aligned_alloc(64, sizeof(float) * (size_t)rows * (width / PAIR) * 16);
     a->group_sum = group ? malloc(sizeof(float) * (size_t)rows * (width / group)) : NULL;
     a->offset = malloc(sizeof(float) * (size_t)rows);
-    return a->q && a->step && a->lanes && (!group || a->group_sum) && a->offset;
+    return a->q && a->step && (!group || a->group_sum) && a->offset;
 }
 
 static void free_activations(Activations *a) {
     free(a->q);
     free(a->step);
-    free(a->lanes);
     free(a->group_sum);
     free(a->offset);
 }
