@@ -75,18 +75,19 @@ def int8_case(out_features: int, in_features: int):
     )
 
 
-# [out, in]: rows no tile of 4 divides, a width the layout pads (96, 160: not multiples of 64)
+# [out, in]: rows no column block of 16 divides, a width the layout pads (96, 160: not multiples
+# of 64)
 CASES = [
     ("int4", lambda: int4_case(13, 96, 32)),
     ("int4", lambda: int4_case(40, 256, 64)),
     ("int4", lambda: int4_case(9, 384, 128)),
     ("int4", lambda: int4_case(33, 160, 32)),
-    ("int4", lambda: int4_case(70, 128, 64)),  # one row's passes of two tiles reach the padding
+    ("int4", lambda: int4_case(70, 128, 64)),  # the two threads' blocks, the last part padding
     ("int4", lambda: int4_case(70, 2176, 128)),  # 17 groups: past the first 16 scale products
     ("int8", lambda: int8_case(13, 96)),
     ("int8", lambda: int8_case(37, 256)),
     ("int8", lambda: int8_case(5, 45)),  # a width no block divides: padded
-    ("int8", lambda: int8_case(61, 128)),  # one row's passes of several tiles reach the padding
+    ("int8", lambda: int8_case(61, 128)),  # the two threads' blocks, the last part padding
 ]
 
 
@@ -97,7 +98,7 @@ def test_each_path_is_within_the_int8_activation_rounding(case, isa, threads):
     path(isa)
     run, weights, terms, block = CASES[case][1]()
     g = torch.Generator().manual_seed(case)
-    for rows in (1, 2, 3, 4, 5, 13):  # 13: a pass of eight rows, then four and one
+    for rows in (1, 2, 3, 4, 5, 13):  # 13: AVX-512 eight rows a pass, then five; AVX2 threes
         x = torch.randn(rows, weights.shape[1], generator=g)
         y = run(x, threads=threads, isa=isa)
         assert y.shape == (rows, weights.shape[0]) and y.dtype == torch.float32
@@ -116,7 +117,7 @@ def test_rows_threads_and_paths_do_not_change_a_row(case):
         assert torch.equal(run(x, threads=2, isa=isa), alone)
 
 
-# [out, in, group]: a last panel of 32 columns part padding, and one past the 4-row tiles
+# [out, in, group]: a last panel of 32 columns part padding, and one past the column blocks
 GEMM_CASES = [(13, 96, 32), (40, 256, 64), (9, 384, 128), (33, 160, 32), (70, 2176, 128)]
 
 
