@@ -7,18 +7,20 @@
  * bytes (four consecutive inputs of each column side by side), and stay in L2 while every
  * activation row passes over them, ROWS at a time: each step loads the panel's 4 inputs x
  * PANEL columns (two vectors), broadcasts each row's 4 int8 inputs, and adds 2 x ROWS integer
- * dots into as many accumulators. A group's integer sums become float once, times the row's step and the
- * column's scale; the zero points' share is added at the end, (zero - 8 scale) times the row's
- * sum over each group.
+ * dots into as many accumulators. A group's integer sums become float once, times the row's
+ * step and the column's scale; the zero points' share is added at the end, (zero - 8 scale)
+ * times the row's sum over each group.
  *
  * Measured on a 2-core AMD EPYC Zen 5 (two threads, freed memory kept as prepare_params has
  * it: astrai/infer/allocator.py), the 0.5B shape's layer of 4-bit matrices (1152, 896, 4864,
  * 4864 x 896 and 896 x 4864): 1,400-1,800 GOP/s from 256 to 2,048 rows, against 500-700 for
- * gemv then (in column blocks since, about as fast up to 64 rows), 660-920 for the dense road (dequantized to bfloat16 and torch's product) and
- * 1,180-1,230 for torch's int8 x int8 product; unpacking the panels takes 1% of it at 2,048
- * rows, quantizing the activations 3%. Blocks of 4 or 6 rows and 32 or 64 columns ran alike
- * (within 2%). gcc 12 copied each accumulator to another register around every vpdpbusd of
- * the intrinsic (730 GOP/s against 1,050 at the time), hence the one-line assembly.
+ * gemv then (in column blocks since, about as fast up to 64 rows), 660-920 for the dense road
+ * (dequantized to bfloat16 and torch's product) and 1,180-1,230 for torch's int8 x int8
+ * product; unpacking the panels takes 1% of it at 2,048 rows, quantizing the activations 3%
+ * (panels unpacked then by a transpose, since by two masks). Blocks of 4 or 6 rows and 32 or
+ * 64 columns ran alike (within 2%). gcc 12 copied each accumulator to another register around
+ * every vpdpbusd of the intrinsic (730 GOP/s against 1,050 at the time), hence the one-line
+ * assembly.
  *
  * Each output's sum runs in the same order whatever the number of rows or threads (a row's
  * accumulators are its own; threads split the columns): a row's outputs are the same bits alone
