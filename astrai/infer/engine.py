@@ -21,6 +21,7 @@ from astrai.config import EngineConfig, LoraConfig, ModelConfig
 from astrai.infer.adapters import AdapterInfo, load_adapter, unload_adapter
 from astrai.infer.delivery import Sink
 from astrai.infer.events import Completion, Events, wait_all, wait_one
+from astrai.infer.hardware import release_thread_team
 from astrai.infer.inbox import (
     Call,
     Cancel,
@@ -301,4 +302,5 @@ class Engine:
 
     def _send(self, seqs: list[Sequence], sink: Sink) -> None:
         self._waiting.admit(len(seqs), self.config.max_waiting)
+        release_thread_team()  # the caller's idle team would slow the engine's (see there)
         self._inbox.put(Submit(seqs, sink))

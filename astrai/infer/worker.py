@@ -16,7 +16,7 @@ from astrai.config import EngineConfig, ModelConfig
 from astrai.infer.adapters import AdapterInfo, adapter_bytes, adapter_list
 from astrai.infer.delivery import Pending, Sink, deliver, hand_over
 from astrai.infer.events import StreamEvent, Usage
-from astrai.infer.hardware import name_native_thread
+from astrai.infer.hardware import name_native_thread, release_thread_team
 from astrai.infer.inbox import (
     Call,
     Cancel,
@@ -94,6 +94,8 @@ class EngineLoop:
         any, or None once closed."""
         block, had_messages = not has_work(self._state), False
         while True:
+            if block and self.inbox.empty():  # idle: no team of ours to slow another thread's
+                release_thread_team()
             try:
                 message = self.inbox.get(block=block)
             except queue.Empty:

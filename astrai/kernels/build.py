@@ -51,13 +51,14 @@ def compiler() -> str | None:
     return None
 
 
-def _torch_gomp() -> Path | None:
+def torch_gomp() -> Path | None:
+    """The libgomp torch's wheel ships and runs its parallel regions on, or None."""
     path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     return path if path.exists() else None
 
 
 def _link_flags() -> list[str]:
-    gomp = _torch_gomp()
+    gomp = torch_gomp()
     if gomp is None:  # a torch built otherwise: the system's OpenMP runtime
         return []
     return [str(gomp), f"-Wl,-rpath,{gomp.parent}"]

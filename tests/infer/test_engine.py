@@ -4,8 +4,10 @@ cached or preempted; streams, cancellation, stop conditions, errors and page acc
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from numerics import approx, assert_close, forward_roundings
 import astrai as ai
 import astrai.infer.step as engine_module
 from astrai.infer import Engine, Overloaded, PromptTooLong
+from astrai.infer.hardware import _openmp
+from astrai.infer.worker import THREAD_NAME
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -370,6 +374,41 @@ def test_call_runs_on_the_engine_thread_with_its_weights():
         assert engine.generate([[1, 2, 3]], max_tokens=2, **GREEDY)[0].finish_reason == "length"
     assert thread == "astrai-engine"
     assert_close(logits, ai.forward(params, cfg, tokens), forward_roundings(cfg, tokens.shape[1]))
+
+
+def _thread_names() -> list[str]:
+    return [
+        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
+    ]
+
+
+def _engine_threads_become(n: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _thread_names().count(THREAD_NAME) != n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _thread_names().count(THREAD_NAME) == n
+
+
+@pytest.mark.skipif(
+    _openmp() is None or not Path("/proc/self/task").is_dir(),
+    reason="ends OpenMP teams through torch's libgomp; counts threads in /proc",
+)
+def test_no_idle_openmp_team_is_left_beside_the_engines():
+    """libgomp stops idle threads spinning once its teams outnumber the CPUs, and a decode step
+    then runs at half speed: a thread that hands the engine work ends its team, and the engine
+    thread ends its own when it runs out of work."""
+    torch.set_num_threads(2)  # a team of two: one thread more (the fixture restores one)
+    big = torch.rand(1 << 20)
+    params, cfg = make_model("gqa")
+    with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
+        engine.call(lambda weights: big.sum())  # the engine thread's team, its thread named so
+        assert _engine_threads_become(1), "the idle engine thread kept its team"
+        alone = len(_thread_names())
+        big.sum()  # this thread's team
+        assert len(_thread_names()) == alone + 1
+        engine.generate([[1, 2, 3]], max_tokens=2, **GREEDY)
+        assert _engine_threads_become(1)
+        assert len(_thread_names()) == alone, "the caller's team outlived its hand-over"
 
 
 def test_requests_running_across_update_params_are_not_cached():
