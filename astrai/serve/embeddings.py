@@ -1,7 +1,9 @@
 """POST /v1/embeddings for encoder models (cfg.model_type == "encoder").
 
 An encoder needs no engine: `EncoderModel` is the data the route reads, and each request is one
-padded batch through `astrai.encode`, run on a worker thread so the event loop stays free.
+padded batch through `astrai.encode`, run on a worker thread so the event loop stays free. The
+worker may differ from one request to the next, so each leaves no OpenMP team behind on its
+thread (docs/inference.md, "One compute thread").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import msgspec
 import torch
 from starlette.responses import Response
 
+from astrai.infer.hardware import release_thread_team
 from astrai.model import encode
 from astrai.serve.bodies import decode_body, json_response
 from astrai.serve.chat import prompt_ids
@@ -48,8 +51,11 @@ def embed_batch(model: EncoderModel, batch: list[list[int]]) -> torch.Tensor:
         tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask[row, : len(ids)] = True
     with model.lock, torch.no_grad():
-        out = encode(model.params, model.cfg, tokens.to(model.device), mask.to(model.device))
-    return out.float().cpu()
+        try:
+            out = encode(model.params, model.cfg, tokens.to(model.device), mask.to(model.device))
+            return out.float().cpu()
+        finally:
+            release_thread_team()
 
 
 def shorten(vectors: torch.Tensor, dimensions: int | None) -> torch.Tensor:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import threading
+from pathlib import Path
 
 import openai
 import pytest
@@ -11,7 +14,9 @@ from tiny_server import MODEL, serving
 
 import astrai
 from astrai.config import ModelConfig
+from astrai.infer.hardware import _openmp
 from astrai.serve import EncoderModel
+from astrai.serve.embeddings import embed_batch
 from astrai.tokenizer import Tokenizer
 
 
@@ -71,3 +76,31 @@ def test_errors(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert "encoder" in err.value.body["message"]
+
+
+@pytest.mark.skipif(
+    _openmp() is None or not Path("/proc/self/task").is_dir(),
+    reason="ends OpenMP teams through torch's libgomp; counts threads in /proc",
+)
+def test_a_batch_leaves_no_openmp_team_on_its_worker_thread(encoder):
+    """Each request runs on one of anyio's worker threads, not always the same: a team left
+    idle on each would make every later batch wake its own through the kernel."""
+    big, counts = torch.rand(1 << 20), {}
+
+    def batch_on_a_new_thread():
+        counts["alone"] = len(os.listdir("/proc/self/task"))
+        big.sum()
+        counts["team"] = len(os.listdir("/proc/self/task"))
+        embed_batch(encoder, [[5, 6, 7]])
+        counts["after"] = len(os.listdir("/proc/self/task"))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two: one thread more
+    try:
+        worker = threading.Thread(target=batch_on_a_new_thread)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert counts["team"] == counts["alone"] + 1, counts
+    assert counts["after"] == counts["alone"], counts
