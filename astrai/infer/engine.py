@@ -273,6 +273,7 @@ class Engine:
         """Send a message the thread answers, and wait for the answer."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        release_thread_team()  # as _send does
         self._inbox.put(message)
         message.done.wait()
         if message.error is not None:
