@@ -31,6 +31,20 @@ AVX2 INLINE __m256 sums8(const __m256 a[8]) {
                          _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+/* Keys ahead of the eight at work whose rows are asked for: a key's row of one K/V head lies
+ * apart from the next key's (the other heads between, and pages anywhere), a pattern the
+ * hardware's prefetchers miss. 16 keys ahead read a 1B shape's pool at 16 and 64 rows 1.53x and
+ * 1.59x as fast, one row of 500 keys 1.55x, the 0.5B shape's 16 rows 1.16x (2-core AMD Zen 5);
+ * 8 or 32 keys ahead 0.85-1.03x of 16. */
+#define AHEAD 16
+
+/* Ask the cache for the `dim` values from element `at` of a layer of the pool. */
+static inline void ask_for_row(const void *p, int bf16, size_t at, int dim) {
+    const char *first = (const char *)p + (at << (2 - bf16));
+    for (int b = 0; b < dim << (2 - bf16); b += 64)
+        _mm_prefetch(first + b, _MM_HINT_T0);
+}
+
 typedef struct {
     const void *k, *v;
     int bf16, pages, kv_heads, dim, page_size;
@@ -58,6 +72,8 @@ AVX2 static void score(const Pool *pool, const float *q, const size_t *at, int n
     for (int i = 0; i < n; i += 8) {
         size_t key[8];
         int count = n - i < 8 ? n - i : 8;
+        for (int r = i + AHEAD; r < i + AHEAD + 8 && r < n; r++)
+            ask_for_row(pool->k, pool->bf16, at[r], pool->dim);
         for (int r = 0; r < 8; r++)
             key[r] = at[i + (r < count ? r : 0)];
         for (int j = 0; j < groups; j++) {
@@ -114,6 +130,8 @@ AVX2 static void weigh(const Pool *pool, const float *weights, const size_t *at,
         _mm256_storeu_ps(out + j, _mm256_setzero_ps());
     for (int i = 0; i < n; i += 8) {
         size_t value[8];
+        for (int r = i + AHEAD; r < i + AHEAD + 8 && r < n; r++)
+            ask_for_row(pool->v, pool->bf16, at[r], pool->dim);
         for (int r = 0; r < 8; r++)
             value[r] = at[i + r < n ? i + r : i];
         for (int j = 0; j < groups; j++) {
