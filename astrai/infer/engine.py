@@ -303,5 +303,5 @@ class Engine:
 
     def _send(self, seqs: list[Sequence], sink: Sink) -> None:
         self._waiting.admit(len(seqs), self.config.max_waiting)
-        release_thread_team()  # the caller's idle team would slow the engine's (see there)
+        release_thread_team()  # the caller's idle team would slow the engine's (its docstring)
         self._inbox.put(Submit(seqs, sink))

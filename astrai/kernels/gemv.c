@@ -51,9 +51,10 @@ AVX512 INLINE void int4_column512(const uint8_t *nibbles, const uint16_t *scale,
         for (int k = 0; k < per_block; k++, line += 64) {
             /* 2 KiB ahead, once every two lines: at one row the 0.5B shapes' matrices read
              * from memory 1.2-1.3x as fast as with a prefetch every line, and within 4% of
-             * 1 or 4 KiB ahead (2-core AMD Zen 5, two threads). Past one row a pass is slow
-             * enough that the block after next must be on its way too: into L2, 16 KiB ahead
-             * (8 rows 1.07-2.0x, 16 rows 1.6-1.75x; 8 or 32 KiB alike; at one row 0.94-1.01x) */
+             * 1 or 4 KiB ahead (2-core AMD Zen 5, two threads). Past one row each line feeds
+             * 2 NX vpdpbusd, a pass runs behind the memory and the hardware's prefetchers fall
+             * behind: every other line also asks L2 for the line FAR ahead (8 rows 1.07-2.0x,
+             * 16 rows 1.28-1.75x; 8 or 32 KiB alike; at one row 0.94-1.01x, so not there) */
             if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             if (NX > 1 && k % 2 == 1) _mm_prefetch((const char *)line + FAR, _MM_HINT_T1);
             const __m512i v = _mm512_load_si512(line);
