@@ -4,7 +4,6 @@ cached or preempted; streams, cancellation, stop conditions, errors and page acc
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from numerics import approx, assert_close, forward_roundings
 import astrai as ai
 import astrai.infer.step as engine_module
 from astrai.infer import Engine, Overloaded, PromptTooLong
-from astrai.infer.hardware import _openmp
+from astrai.infer.hardware import _openmp, name_native_thread
 from astrai.infer.worker import THREAD_NAME
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -376,17 +375,16 @@ def test_call_runs_on_the_engine_thread_with_its_weights():
     assert_close(logits, ai.forward(params, cfg, tokens), forward_roundings(cfg, tokens.shape[1]))
 
 
-def _thread_names() -> list[str]:
-    return [
-        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
-    ]
+def _threads_named(name: str) -> int:
+    tasks = Path("/proc/self/task").iterdir()
+    return [(t / "comm").read_text().strip() for t in tasks].count(name)
 
 
-def _engine_threads_become(n: int, timeout: float = 10.0) -> bool:
+def _threads_become(name: str, n: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
-    while _thread_names().count(THREAD_NAME) != n and time.monotonic() < deadline:
+    while _threads_named(name) != n and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _thread_names().count(THREAD_NAME) == n
+    return _threads_named(name) == n
 
 
 @pytest.mark.skipif(
@@ -396,19 +394,27 @@ def _engine_threads_become(n: int, timeout: float = 10.0) -> bool:
 def test_no_idle_openmp_team_is_left_beside_the_engines():
     """libgomp stops idle threads spinning once its teams outnumber the CPUs, and a decode step
     then runs at half speed: a thread that hands the engine work ends its team, and the engine
-    thread ends its own when it runs out of work."""
+    thread ends its own when it runs out of work. A thread's team carries its name."""
     torch.set_num_threads(2)  # a team of two: one thread more (the fixture restores one)
-    big = torch.rand(1 << 20)
+    big, caller, counts = torch.rand(1 << 20), "team-caller", {}
     params, cfg = make_model("gqa")
+    engines = _threads_named(THREAD_NAME)  # other tests' engines, if any are still alive
     with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
-        engine.call(lambda weights: big.sum())  # the engine thread's team, its thread named so
-        assert _engine_threads_become(1), "the idle engine thread kept its team"
-        alone = len(_thread_names())
-        big.sum()  # this thread's team
-        assert len(_thread_names()) == alone + 1
-        engine.generate([[1, 2, 3]], max_tokens=2, **GREEDY)
-        assert _engine_threads_become(1)
-        assert len(_thread_names()) == alone, "the caller's team outlived its hand-over"
+        engine.call(lambda weights: big.sum())  # the engine thread's team
+        assert _threads_become(THREAD_NAME, engines + 1), "the idle engine kept its team"
+
+        def hand_over():
+            name_native_thread(caller)
+            big.sum()  # this thread's team
+            counts["with its team"] = _threads_named(caller)
+            engine.generate([[1, 2, 3]], max_tokens=2, **GREEDY)
+            counts["after"] = _threads_named(caller)
+
+        thread = threading.Thread(target=hand_over)
+        thread.start()
+        thread.join()
+        assert _threads_become(THREAD_NAME, engines + 1)
+    assert counts == {"with its team": 2, "after": 1}, "the caller's team outlived its hand-over"
 
 
 def test_requests_running_across_update_params_are_not_cached():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import threading
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from tiny_server import MODEL, serving
 
 import astrai
 from astrai.config import ModelConfig
-from astrai.infer.hardware import _openmp
+from astrai.infer.hardware import _openmp, name_native_thread
 from astrai.serve import EncoderModel
 from astrai.serve.embeddings import embed_batch
 from astrai.tokenizer import Tokenizer
@@ -85,14 +84,18 @@ def test_errors(client):
 def test_a_batch_leaves_no_openmp_team_on_its_worker_thread(encoder):
     """Each request runs on one of anyio's worker threads, not always the same: a team left
     idle on each would make every later batch wake its own through the kernel."""
-    big, counts = torch.rand(1 << 20), {}
+    big, name, counts = torch.rand(1 << 20), "team-embedder", {}
+
+    def threads_named() -> int:
+        tasks = Path("/proc/self/task").iterdir()
+        return [(t / "comm").read_text().strip() for t in tasks].count(name)
 
     def batch_on_a_new_thread():
-        counts["alone"] = len(os.listdir("/proc/self/task"))
+        name_native_thread(name)  # its team's threads carry the name
         big.sum()
-        counts["team"] = len(os.listdir("/proc/self/task"))
+        counts["with its team"] = threads_named()
         embed_batch(encoder, [[5, 6, 7]])
-        counts["after"] = len(os.listdir("/proc/self/task"))
+        counts["after"] = threads_named()
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # a team of two: one thread more
@@ -102,5 +105,4 @@ def test_a_batch_leaves_no_openmp_team_on_its_worker_thread(encoder):
         worker.join()
     finally:
         torch.set_num_threads(before)
-    assert counts["team"] == counts["alone"] + 1, counts
-    assert counts["after"] == counts["alone"], counts
+    assert counts == {"with its team": 2, "after": 1}
