@@ -12,6 +12,7 @@ import pytest
 import torch
 from infer_models import BASE, CONFIGS, greedy_reference, make_model
 from numerics import approx, assert_close, forward_roundings
+from thread_names import thread_names, threads_become
 
 import astrai as ai
 import astrai.infer.step as engine_module
@@ -375,18 +376,6 @@ def test_call_runs_on_the_engine_thread_with_its_weights():
     assert_close(logits, ai.forward(params, cfg, tokens), forward_roundings(cfg, tokens.shape[1]))
 
 
-def _threads_named(name: str) -> int:
-    tasks = Path("/proc/self/task").iterdir()
-    return [(t / "comm").read_text().strip() for t in tasks].count(name)
-
-
-def _threads_become(name: str, n: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while _threads_named(name) != n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _threads_named(name) == n
-
-
 @pytest.mark.skipif(
     _openmp() is None or not Path("/proc/self/task").is_dir(),
     reason="ends OpenMP teams through torch's libgomp; counts threads in /proc",
@@ -398,22 +387,22 @@ def test_no_idle_openmp_team_is_left_beside_the_engines():
     torch.set_num_threads(2)  # a team of two: one thread more (the fixture restores one)
     big, caller, counts = torch.rand(1 << 20), "team-caller", {}
     params, cfg = make_model("gqa")
-    engines = _threads_named(THREAD_NAME)  # other tests' engines, if any are still alive
+    engines = thread_names().count(THREAD_NAME)  # other tests' engines, if any are still alive
     with Engine(params, cfg, None, page_size=4, max_seq_len=64) as engine:
         engine.call(lambda weights: big.sum())  # the engine thread's team
-        assert _threads_become(THREAD_NAME, engines + 1), "the idle engine kept its team"
+        assert threads_become(THREAD_NAME, engines + 1), "the idle engine kept its team"
 
         def hand_over():
             name_native_thread(caller)
             big.sum()  # this thread's team
-            counts["with its team"] = _threads_named(caller)
+            counts["with its team"] = thread_names().count(caller)
             engine.generate([[1, 2, 3]], max_tokens=2, **GREEDY)
-            counts["after"] = _threads_named(caller)
+            counts["after"] = thread_names().count(caller)
 
         thread = threading.Thread(target=hand_over)
         thread.start()
         thread.join()
-        assert _threads_become(THREAD_NAME, engines + 1)
+        assert threads_become(THREAD_NAME, engines + 1)
     assert counts == {"with its team": 2, "after": 1}, "the caller's team outlived its hand-over"
 
 

@@ -12,16 +12,15 @@ at one thread so it does not count.)
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from page_server import free_port, wait_healthy
+from thread_names import thread_names, threads_become
 
 import astrai
 from astrai.config import ModelConfig
@@ -34,14 +33,6 @@ pytestmark = pytest.mark.skipif(
     not Path("/proc/self/task").is_dir() or sys.platform != "linux",
     reason="reads thread names from /proc (Linux)",
 )
-
-
-def thread_names(pid: int) -> list[str]:
-    names = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # the thread ended meanwhile
-            names.append((task / "comm").read_text().strip())
-    return names
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +68,7 @@ def threads_after_a_request(
         body = {"model": "m", "prompt": "one compute", "max_tokens": 8, "temperature": 0}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
-        deadline = time.monotonic() + 10
-        while thread_names(process.pid).count(THREAD_NAME) > 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads_become(THREAD_NAME, 1, process.pid)
         return thread_names(process.pid)
     finally:
         process.terminate()

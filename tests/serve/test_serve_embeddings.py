@@ -9,6 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from thread_names import thread_names
 from tiny_server import MODEL, serving
 
 import astrai
@@ -86,16 +87,12 @@ def test_a_batch_leaves_no_openmp_team_on_its_worker_thread(encoder):
     idle on each would make every later batch wake its own through the kernel."""
     big, name, counts = torch.rand(1 << 20), "team-embedder", {}
 
-    def threads_named() -> int:
-        tasks = Path("/proc/self/task").iterdir()
-        return [(t / "comm").read_text().strip() for t in tasks].count(name)
-
     def batch_on_a_new_thread():
         name_native_thread(name)  # its team's threads carry the name
         big.sum()
-        counts["with its team"] = threads_named()
+        counts["with its team"] = thread_names().count(name)
         embed_batch(encoder, [[5, 6, 7]])
-        counts["after"] = threads_named()
+        counts["after"] = thread_names().count(name)
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # a team of two: one thread more
