@@ -193,6 +193,10 @@ def test_quantized_run_reports_the_products_that_ran(tmp_path, capsys):
     assert "float" not in results["kernels"]
     assert results["greedy_agreement"]["engine_vs_loop"] == 1.0
     assert "our matrix products" in capsys.readouterr().out
+    # each batch-1 row's share of the bandwidth read in its rounds, beside the run's best read
+    decode = [r for r in results["rows"] if "bytes_per_token" in r]
+    assert decode and all(0 < r["roofline_in_round"][0] < 10 for r in decode), decode
+    assert all(len(reads) == 1 for reads in results["decode_reads_gb_s"].values())
 
 
 def test_the_int8_product_peak_is_measured_and_above_the_float32_one():
@@ -541,6 +545,23 @@ def test_roofline_fraction_is_streamed_bytes_over_the_bandwidth():
     from benchmark.report import roofline_text
 
     assert roofline_text([0.5, None]) == "50% / -" and roofline_text(None) == "-"
+    assert roofline_text([0.5, 0.25], [0.8, 0.4]) == "50% / 25% (80% / 40%)"
+
+
+def test_a_rounds_roofline_share_is_against_the_bandwidth_read_in_that_round():
+    """A side that streams at the memory's speed in a slow minute and a fast one is at 100% of
+    the roofline in each: against the best read of the run only the fast minute shows it."""
+    from benchmark.limits import round_roofline
+
+    bandwidths = [20.0, 40.0, 40.0]  # GB/s; 2 GB a token
+    assert round_roofline([10.0, 20.0, 20.0], 2e9, bandwidths) == pytest.approx(1.0)
+    # at the memory's speed in two rounds of three, one of them the slow minute
+    assert round_roofline([10.0, 20.0, 10.0], 2e9, bandwidths) == pytest.approx(1.0)
+    assert roofline_fraction(10.0, 2e9, 40.0) == pytest.approx(0.5)  # its median, the best read
+    # at half the memory's speed in the fast rounds: no slow minute flatters it
+    assert round_roofline([10.0, 10.0, 10.0], 2e9, bandwidths) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        round_roofline([10.0], 2e9, [20.0, 40.0])  # a read for each round, no fewer
 
 
 def test_int4_counts_half_a_byte_per_matrix_element():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,7 @@ from astrai.kernels.gemv import float_product
 from astrai.model import param_shapes
 from astrai.train.mfu import matmul_peak_gflops
 
-from .timing import timed
+from .timing import median, timed
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}  # bits per matrix element of prepare_params' quantize
 
@@ -37,20 +38,25 @@ def stream_bandwidth(device: torch.device, n: int = 1 << 25, repeats: int = 5) -
 
 
 def weights_read_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
-    """GB/s of reading a working set the size of the model's weights, as a decode step does.
-    When the weights fit in the cache this is the cache's speed, not DRAM's: the real limit of
-    a step that rereads them every token. The faster of two readers: torch's sum, and on the
-    CPU our float32 product at one row over the same bytes as a [n / 1024, 1024] matrix (it
-    reads in several streams a thread; torch's sum read 1 GiB at 25 GB/s on a 2-core Intel
-    Xeon where it read 31). Both only read slower than the memory can, so a share of the
-    roofline made from the faster never flatters."""
+    """GB/s of reading a working set the size of the model's weights (weights_reader, once)."""
+    return weights_reader(device, nbytes, repeats)()
+
+
+def weights_reader(device: torch.device, nbytes: int, repeats: int = 5) -> Callable[[], float]:
+    """A reader of a working set the size of the model's weights, as a decode step reads
+    them: each call returns the GB/s it read at now. When the weights fit in the cache this is
+    the cache's speed, not DRAM's: the real limit of a step that rereads them every token. The
+    faster of two readers: torch's sum, and on the CPU our float32 product at one row over the
+    same bytes as a [n / 1024, 1024] matrix (it reads in several streams a thread; torch's sum
+    read 1 GiB at 25 GB/s on a 2-core Intel Xeon where it read 31). Both only read slower than
+    the memory can, so a share of the roofline made from the faster never flatters."""
     a = torch.rand(max(nbytes // 4, 1024) // 1024 * 1024, device=device)
     readers = [lambda: a.sum()]
     if device.type == "cpu" and kernel_library() is not None:
         x = torch.rand(1, 1024)
         readers.append(functools.partial(float_product(a.view(-1, 1024)), x))
     size = a.element_size() * a.numel()
-    return max(_best_rate(read, size, device, repeats) for read in readers)
+    return lambda: max(_best_rate(read, size, device, repeats) for read in readers)
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 1024) -> float:
@@ -142,6 +148,15 @@ def roofline_fraction(tokens_per_s: float, bytes_per_token: float, bandwidth_gb_
     """The share of the memory bandwidth a batch-1 decoder streams: tokens/s x bytes read per
     token over what the memory delivers (1.0: at the memory limit)."""
     return tokens_per_s * bytes_per_token / (bandwidth_gb_s * 1e9)
+
+
+def round_roofline(rates: list[float], bytes_per_token: float, bandwidths: list[float]) -> float:
+    """The median over rounds of each round's roofline fraction, its tokens/s against the
+    bandwidth read in the same round: on a machine whose memory is slower in some minutes
+    than in others (a VM's neighbours), the share of what the memory delivered then, where
+    roofline_fraction against the run's best read counts a slow minute against the decoder."""
+    pairs = zip(rates, bandwidths, strict=True)
+    return median([roofline_fraction(rate, bytes_per_token, bw) for rate, bw in pairs])
 
 
 def decode_flops_per_token(cfg: ModelConfig) -> int:

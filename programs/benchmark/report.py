@@ -94,17 +94,22 @@ def _cells(row: dict) -> list[str]:
         reference += f" ({row['reference_name']})"
     agreement = "-" if row.get("agreement") is None else f"{row['agreement']:.0%}"
     return [row["section"], row["name"], _number(row["ours"], row["unit"]), reference,
-            _ratio_text(row), roofline_text(row.get("roofline")), agreement, target_text]  # fmt: skip
+            _ratio_text(row), roofline_text(row.get("roofline"), row.get("roofline_in_round")),
+            agreement, target_text]  # fmt: skip
 
 
-def roofline_text(fractions: list[float | None] | None) -> str:
-    """A batch-1 decode row's shares of the memory bandwidth: "ours / reference", in %."""
+def roofline_text(
+    fractions: list[float | None] | None, in_round: list[float | None] | None = None
+) -> str:
+    """A batch-1 decode row's shares of the memory bandwidth, "ours / reference" in %: of the
+    run's best read, then (in brackets) of the read in each round, their median."""
     if not fractions:
         return "-"
-    return " / ".join("-" if f is None else f"{f:.0%}" for f in fractions)
+    text = " / ".join("-" if f is None else f"{f:.0%}" for f in fractions)
+    return f"{text} ({roofline_text(in_round)})" if in_round else text
 
 
-HEADER = ["section", "measurement", "ours", "reference", "ratio (range)", "roofline (ours / ref)", "greedy agreement", "target"]  # fmt: skip
+HEADER = ["section", "measurement", "ours", "reference", "ratio (range)", "roofline, ours / ref (in round)", "greedy agreement", "target"]  # fmt: skip
 
 
 def verdicts(rows: list[dict]) -> list[str]:

@@ -27,8 +27,10 @@ from .limits import (
     mean_kv_bytes,
     roofline_fraction,
     roofline_tokens_per_s,
+    round_roofline,
     stream_bandwidth,
     weights_read_bandwidth,
+    weights_reader,
 )
 from .models import Workload, random_prompts
 from .peer_llamacpp import generate_calls, prefill_calls, release
@@ -40,6 +42,10 @@ from .verify import Logits, agreement, forward_logits, generated, predicted, sam
 # reach on a CPU: at 64 rows our bf16 products already run near the matmul peak (~725
 # GFLOP/s on 2 Zen 4 cores) and take 57 % of a step (docs/benchmarks.md, Targets).
 THROUGHPUT_TARGETS = {16: 2.0, 64: 2.0}
+# The batch-1 rows read the memory's bandwidth once a round beside the sides' rounds, over a
+# working set the size of the largest side's weights up to READ_CAP: far past any cache seen
+# (480 MiB of L3 at most), without holding a float32 1B's 5 GB beside the sides' processes.
+MEMORY, READ_CAP = "memory bandwidth", 1 << 30
 TRAIN_HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "max_grad_norm": 1.0}
 # Which of our forwards rounds as each side does (verify.py): "ours" in the run's dtype with
 # --quantize, "float" in the run's dtype. A side not named (llama.cpp) cannot be reproduced.
@@ -154,13 +160,14 @@ class Bench:
 
     def measure(
         self, calls: dict[str, Callable], inputs: list, units: float, outputs=None, warm_up=True,
-        keep=lambda out: out,
+        keep=lambda out: out, beside: dict[str, Callable[[], float]] | None = None,
     ) -> dict[str, list[float]]:  # fmt: skip
         """Warm every call up on inputs[0], then time each on inputs[r + 1] in interleaved
         rounds, one per input after the first -> {name: [units/s per round]}. outputs, when
         given, collects keep(what each call returned), taken after the timing, as
         outputs[name][round]; units/s takes each call for the units of work, which the rows'
-        verification checks (verify.py)."""
+        verification checks (verify.py). beside: figures read once a round between the
+        calls, {name: [figure per round]} in the result too (the memory's bandwidth)."""
         for call in calls.values() if warm_up else ():
             call(inputs[0])  # first calls pay for thread pools and allocator growth
 
@@ -173,7 +180,9 @@ class Bench:
 
             return run
 
-        return interleave({name: side(name, call) for name, call in calls.items()}, len(inputs) - 1)
+        sides = {name: side(name, call) for name, call in calls.items()}
+        sides |= {name: lambda r, read=read: read() for name, read in (beside or {}).items()}
+        return interleave(sides, len(inputs) - 1)
 
 
 def engine_of(b: Bench):
@@ -469,10 +478,14 @@ def _decode_target(b: Bench) -> float:
 def decode(b: Bench) -> None:
     """Batch 1, greedy, exactly new_tokens after a prompt_len prompt (prefill included)."""
     n = b.work.new_tokens
-    outputs, rates = {}, {}
+    outputs, rates, bandwidths = {}, {}, {}
     batches = [[prompt] for prompt in b.prompts(b.work.rounds + 1, seed=1)]
     for calls in by_format(b, (*with_formats(b, "engine"), "loop", "transformers"), n):
-        rates |= b.measure(calls, batches, n, outputs)
+        read = weights_reader(b.device, int(min(max(side_bytes(b, s) for s in calls), READ_CAP)), 3)
+        measured = b.measure(calls, batches, n, outputs, beside={MEMORY: read})
+        bandwidths |= dict.fromkeys(calls, measured.pop(MEMORY))
+        rates |= measured
+    b.extra["decode_reads_gb_s"] = bandwidths  # each side's rounds' reads of the memory
     pairs = [
         ("engine", "transformers", "Engine, batch 1"),
         ("loop", "transformers", "prefill + decode_step loop, batch 1"),
@@ -483,6 +496,10 @@ def decode(b: Bench) -> None:
     _reference_rows(b, "decode", rates, pairs, "tok/s", targets, choices)
     for row in b.rows[start:]:  # the roofline column, filled in at the end (limit_rows)
         row["bytes_per_token"] = [side and side_bytes(b, side) for side in row["sides"]]
+        row["roofline_in_round"] = [
+            side and round_roofline(rates[side], nbytes, bandwidths[side])
+            for side, nbytes in zip(row["sides"], row["bytes_per_token"])
+        ]
     b.shares.append(("decode", 1, rates, 50.0 if b.size == "smol" else None))
     # every pair, the Engine and the loop too: they run the same code and should agree fully
     b.extra["greedy_agreement"] = {
