@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from astrai.kernels import pointwise
 from astrai.kernels.paged_attention import PagedMask, paged_attention
+from astrai.model import products
 from astrai.model.lora_product import mixed_delta
 from astrai.model.masked_attention import (
     attend_by_products,
@@ -58,11 +59,15 @@ def add_norm(
 
 
 def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias). W is a tensor, or a prepared inference weight (an 8-bit or a
+    """x @ W.T (+ bias). W is a tensor (in a float32 training step on the CPU multiplied by the
+    faster library here: model/products.py), or a prepared inference weight (an 8-bit or a
     oneDNN-packed matrix, see astrai.infer.prepare) that brings its own product as `.linear(x)`."""
-    if isinstance(weight, torch.Tensor):
+    if isinstance(weight, torch.Tensor) and products.takes(x, weight):
+        y = products.linear(x, weight)  # training's float32 products, by the faster library
+    elif isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    y = weight.linear(x)
+    else:
+        y = weight.linear(x)
     return y if bias is None else y + bias
 
 

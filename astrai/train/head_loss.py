@@ -27,14 +27,20 @@ import threading
 import torch
 
 from astrai.config import ModelConfig
+from astrai.infer.allocator import MMAP_THRESHOLD
 from astrai.kernels.cross_entropy import cross_entropy_grad_, kernel_takes
 from astrai.model import IGNORE
+from astrai.model.products import by_onednn, product_t
 
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk: 16 MB in float32, which a large L2/L3 holds
 # With our C kernel (one pass a row, each row in L2) the chunk only sets the product's height,
 # and taller products run faster: a bf16 step of the benchmark's small model took 0.97 s in
 # chunks of 131 rows, 0.91 s in 524 and 0.89 s in one, on a 2-core Intel Xeon with AMX.
 KERNEL_CHUNK_ELEMENTS = 1 << 24
+# Where oneDNN multiplies float32 (model/products.py), a chunk's logits are a new tensor, then
+# copied into the gradient buffer: up to glibc's mmap threshold they come from the heap that
+# keep_freed_memory keeps, past it from freshly mapped pages every chunk.
+ONEDNN_CHUNK_BYTES = MMAP_THRESHOLD - (1 << 20)
 
 
 def fused_head_applies(cfg: ModelConfig, weight) -> bool:
@@ -105,8 +111,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             # the casts again (for bf16 one pass over the head), rather than holding copies
             h, w = _operands(hidden, weight, ctx.dtype)
-            grad_hidden = (grad @ w).mul_(loss_grad).to(hidden.dtype).reshape(hidden.shape)
-            grad_weight = (grad.t() @ h).mul_(loss_grad).to(weight.dtype)
+            grad_hidden = product_t(grad, w.t(), "input").mul_(loss_grad)
+            grad_hidden = grad_hidden.to(hidden.dtype).reshape(hidden.shape)
+            grad_weight = product_t(grad.t(), h.t(), "weight").mul_(loss_grad).to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -121,12 +128,18 @@ def _loss_and_logit_grad(h, w, labels, smoothing):
     grad = _gradient_buffer(rows, vocab, h.dtype, h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     in_kernel = kernel_takes(grad, labels)
-    most = max(1, (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab)
+    most = (KERNEL_CHUNK_ELEMENTS if in_kernel else CHUNK_ELEMENTS) // vocab
+    onednn = by_onednn("forward", h, w)
+    if onednn:  # its product comes as a new tensor: on the C heap, not freshly mapped pages
+        most = min(most, ONEDNN_CHUNK_BYTES // (vocab * h.element_size()))
     # chunks of even height: no short last one that reads the whole head for a few rows
-    step = math.ceil(rows / math.ceil(rows / most))
+    step = math.ceil(rows / math.ceil(rows / max(1, most)))
     for start in range(0, rows, step):
         part = slice(start, start + step)
-        rounded = torch.mm(h[part], w.t(), out=grad[part])
+        if onednn:  # no output argument: the product is copied in
+            rounded = grad[part].copy_(product_t(h[part], w, "forward"))
+        else:
+            rounded = torch.mm(h[part], w.t(), out=grad[part])
         if in_kernel:  # one pass a row in C, no casts
             total += cross_entropy_grad_(rounded, labels[part], IGNORE, smoothing)
             continue

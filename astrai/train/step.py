@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from astrai.config import ModelConfig, TrainConfig
 from astrai.infer.allocator import keep_freed_memory
+from astrai.model import products
 from astrai.model.forward import compile_layer
 from astrai.train.compiling import compiled, note, should_compile
 from astrai.train.distributed import all_reduce_sum_
@@ -186,6 +187,7 @@ def _accumulate(state: TrainState, batch, generator):
     total, names, stats = None, None, None
     for micro in micro_batches(batch, train_cfg.grad_accum):
         micro = _to_device(micro, state.device)
+        _choose_products(state.model_config, train_cfg, state.device, micro)
         grads, (_, (loss, metrics)) = fn(
             state.trainable, state.params, lora_scale, micro, generator
         )
@@ -205,6 +207,19 @@ def _accumulate(state: TrainState, batch, generator):
             torch._foreach_add_(total, leaves)
             stats = stats + row
     return total, spec, names, stats
+
+
+def _choose_products(cfg: ModelConfig, train_cfg: TrainConfig, device, micro: dict) -> None:
+    """The float32 products' libraries (model/products.py), timed once a process at the first
+    micro-batch's tokens and the model's widest matrix, before anything is compiled."""
+    if device.type != "cpu" or train_cfg.precision != "float32" or products.ONEDNN:
+        return
+    rows = max(
+        (v.numel() for v in micro.values() if torch.is_tensor(v) and v.dim() == 2), default=0
+    )
+    widest = cfg.intermediate_size or 4 * cfg.hidden_size
+    if rows:
+        products.choose(rows, cfg.hidden_size, widest)
 
 
 def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState, dict]:

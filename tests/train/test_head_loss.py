@@ -13,7 +13,7 @@ from numerics import tolerance
 from astrai.config import ModelConfig
 from astrai.kernels.build import why_absent
 from astrai.kernels.cross_entropy import cross_entropy_grad_
-from astrai.model import IGNORE
+from astrai.model import IGNORE, products
 from astrai.train import head_loss
 from astrai.train.head_loss import fused_head_applies, head_cross_entropy_sum
 
@@ -30,6 +30,16 @@ def small_chunks(monkeypatch):
     """Chunks of 3 rows: 14 rows take five chunks, the last one short."""
     monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 3 * V)
     monkeypatch.setattr(head_loss, "KERNEL_CHUNK_ELEMENTS", 3 * KERNEL_V)
+
+
+@pytest.fixture(params=["torch", "onednn"])
+def library(request, monkeypatch):
+    """The float32 products by torch's library or by oneDNN's (astrai/model/products.py),
+    whichever this machine's timing would choose."""
+    onednn = request.param == "onednn"
+    if onednn and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch was built without oneDNN")
+    monkeypatch.setattr(products, "ONEDNN", dict.fromkeys(products.KINDS, onednn))
 
 
 def _inputs(seed=0, vocab=V):
@@ -63,7 +73,9 @@ def _loss_and_grads(loss_of, hidden, weight, labels, smoothing, bf16):
 @pytest.mark.parametrize("vocab", [V, KERNEL_V])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_the_same_loss_and_gradients_as_the_plain_head_and_cross_entropy(smoothing, bf16, vocab):
+def test_the_same_loss_and_gradients_as_the_plain_head_and_cross_entropy(
+    smoothing, bf16, vocab, library
+):
     hidden, weight, labels = _inputs(vocab=vocab)
     fused = _loss_and_grads(head_cross_entropy_sum, hidden, weight, labels, smoothing, bf16)
     plain = _loss_and_grads(_plain, hidden, weight, labels, smoothing, bf16)
@@ -83,7 +95,7 @@ def test_the_same_loss_and_gradients_as_the_plain_head_and_cross_entropy(smoothi
 
 
 @pytest.mark.parametrize("vocab", [V, KERNEL_V])
-def test_torch_func_takes_the_same_gradients_as_autograd(vocab):
+def test_torch_func_takes_the_same_gradients_as_autograd(vocab, library):
     hidden, weight, labels = _inputs(1, vocab)
     _, hidden_grad, weight_grad = _loss_and_grads(
         head_cross_entropy_sum, hidden, weight, labels, 0.1, False
