@@ -62,12 +62,12 @@ def project(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
     """x @ W.T (+ bias). W is a tensor (in a float32 training step on the CPU multiplied by the
     faster library here: model/products.py), or a prepared inference weight (an 8-bit or a
     oneDNN-packed matrix, see astrai.infer.prepare) that brings its own product as `.linear(x)`."""
-    if isinstance(weight, torch.Tensor) and products.takes(x, weight):
-        y = products.linear(x, weight)  # training's float32 products, by the faster library
-    elif isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    else:
+    if not isinstance(weight, torch.Tensor):
         y = weight.linear(x)
+    elif products.takes(x, weight):
+        y = products.linear(x, weight)  # training's float32 products, by the faster library
+    else:
+        return F.linear(x, weight, bias)
     return y if bias is None else y + bias
 
 

@@ -4,7 +4,7 @@
 MKL runs its AVX-512 code on Intel processors only: on a 2-core AMD EPYC Zen 5, 1024 x 1024
 float32 products ran at ~225 GFLOP/s through torch's `mm` and ~500 through oneDNN's linear
 (torch.ops.mkldnn, the library torch already multiplies bfloat16 with), and an eager float32
-step of the benchmark's small model took 1.93 s against 2.55. Each of a weight's three
+step of the benchmark's small model took 1.57-1.64 s against 2.55. Each of a weight's three
 products (the forward, the input's gradient dY @ W, the weight's dY.T @ x) is timed once a
 process on both libraries at the model's own shapes (`choose`), and takes oneDNN only where
 it is MARGIN faster: on a near tie (an Intel CPU, a CPU held to AVX2) torch's roundings stay.
@@ -22,12 +22,17 @@ ONEDNN: dict[str, bool] = {}  # kind -> whether oneDNN multiplies it, once chose
 ROWS = 4096  # the most rows the timing multiplies: enough to show each library's speed
 
 
+def mkldnn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, K] @ w.T (w [M, K], any strides: a transposed view is read as it lies) by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
 @torch.library.custom_op("astrai::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, K] @ w.T (w [M, K], any strides: a transposed view is read as it lies) by oneDNN.
-    An op of our own so that torch.compile calls it as it is: inductor lowers mkldnn's linear
-    for packed weights only."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    """mkldnn_linear as an op of our own, for torch.compile to call as it is: inductor lowers
+    mkldnn's linear for packed weights only. (Eagerly mkldnn_linear itself is called: a custom
+    op has no autograd torch.func can transform.)"""
+    return mkldnn_linear(x, w)
 
 
 @onednn_linear.register_fake
@@ -45,10 +50,7 @@ def product_t(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
     """a @ b.T (both 2-D) by the library chosen for its kind of product (KINDS)."""
     if not by_onednn(kind, a, b):
         return a @ b.t()
-    if torch.compiler.is_compiling():
-        return onednn_linear(a, b)
-    # eagerly the library itself: a custom op has no autograd torch.func can transform
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return onednn_linear(a, b) if torch.compiler.is_compiling() else mkldnn_linear(a, b)
 
 
 class _Linear(torch.autograd.Function):
@@ -101,7 +103,7 @@ def choose(rows: int, inputs: int, outputs: int) -> dict[str, bool]:
     operands = {"forward": (x, w), "input": (dy, w.t()), "weight": (dy.t(), x.t())}
     for kind, (a, b) in operands.items():
         mkl = _seconds(lambda a=a, b=b: a @ b.t())
-        onednn = _seconds(lambda a=a, b=b: onednn_linear(a, b))
+        onednn = _seconds(lambda a=a, b=b: mkldnn_linear(a, b))
         ONEDNN[kind] = mkl > MARGIN * onednn
     return ONEDNN
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from astrai.model.products import onednn_linear
+from astrai.model.products import mkldnn_linear
 
 _BEST: dict[str, float] = {}  # this process's best rate per record key, in GFLOP/s
 
@@ -65,7 +65,7 @@ def measure_gflops(device: torch.device, dtype: torch.dtype, n: int = 1024, repe
     out = a @ b  # first touch: page faults and kernel selection are not speed
     libraries = [lambda: torch.mm(a, b, out=out)]
     if dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available():
-        libraries.append(lambda: onednn_linear(a, b))
+        libraries.append(lambda: mkldnn_linear(a, b))
     return max(2 * n**3 / _best_seconds(product, device, repeats) / 1e9 for product in libraries)
 
 
