@@ -35,13 +35,19 @@ def record_path() -> Path:
     return Path(root) / "astrai" / "matmul_peak.json"
 
 
+# Variables that hold the CPU libraries to fewer instructions than the CPU has (a run as on an
+# AVX2-only machine): such a run's peak is not the machine's.
+ISA_HOLDS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def record_key(device: torch.device, dtype: torch.dtype) -> str:
     """What a peak depends on: the processor (or GPU), how many threads the products use,
-    the torch build (its kernels) and the dtype."""
+    the torch build (its kernels), the dtype, and on the CPU any hold on its instructions."""
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
         where = f"{cpu_model()}, {os.cpu_count()} cpus, {torch.get_num_threads()} threads"
+        where += "".join(f", {v}={os.environ[v]}" for v in ISA_HOLDS if os.environ.get(v))
     return f"{where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}"
 
 

@@ -8,6 +8,7 @@ import torch
 
 from astrai.train import matmul_peak
 from astrai.train.matmul_peak import (
+    ISA_HOLDS,
     matmul_peak_gflops,
     read_records,
     record_key,
@@ -36,6 +37,16 @@ def test_a_real_measurement_is_stored_for_this_machine_dtype_and_thread_count():
     assert peak > 0 and read_records(record_path()) == {record_key(CPU, F32): peak}
     assert str(torch.get_num_threads()) + " threads" in record_key(CPU, F32)
     assert record_key(CPU, F32) != record_key(CPU, torch.bfloat16)
+
+
+def test_a_run_held_to_fewer_instructions_keeps_a_record_of_its_own(monkeypatch):
+    """A run as on an AVX2-only CPU multiplies slower than the machine: its MFU divides by
+    its own peak, and its products never lower (or raise) the machine's."""
+    for hold in ISA_HOLDS:
+        monkeypatch.delenv(hold, raising=False)
+    machine = record_key(CPU, F32)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert record_key(CPU, F32) != machine and "ONEDNN_MAX_CPU_ISA=AVX2" in record_key(CPU, F32)
 
 
 def test_a_measurement_under_load_does_not_lower_the_recorded_peak(monkeypatch):
