@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from astrai.infer.timing import best_of_rounds, pass_seconds
 from astrai.kernels import gemv
 from astrai.model.layers import cast
+from astrai.model.products import mkldnn_linear
 
 SURE_ROWS = 16  # rows the kernel led or matched torch's products at on every CPU measured
 FEW_ROWS = 4  # the same for its bfloat16 dot products (AVX-512 BF16, no AMX)
@@ -76,11 +77,6 @@ def _bound(product: Callable) -> Callable:
     return lambda w: functools.partial(product, weight=w)
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T by oneDNN's linear on the plain [out, in] tensor (laid out inside the call)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 @functools.cache
 def prompt_product(dtype: torch.dtype) -> Callable:
     """The product for inputs of more rows than kernel_rows (a prompt), on the kernel's plain
@@ -90,7 +86,7 @@ def prompt_product(dtype: torch.dtype) -> Callable:
     2,048 rows; 56 against 95 GFLOP/s for the 9728 x 896 gate-up at 64)."""
     if not torch.backends.mkldnn.is_available():
         return F.linear
-    products = {product: _bound(product) for product in (F.linear, onednn_linear)}
+    products = {product: _bound(product) for product in (F.linear, mkldnn_linear)}
     best = _seconds(products, PROMPT_ROWS, dtype, copies=2)
     return min(best, key=best.get)
 

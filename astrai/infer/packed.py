@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.model.products import mkldnn_linear
+
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -24,7 +26,7 @@ class PackedMatrix:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         # x of any leading shape, as is: reshaping around the call costs two ops a product
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return mkldnn_linear(x, self.packed)
 
 
 def pack(w: torch.Tensor) -> PackedMatrix:

@@ -13,6 +13,7 @@ it is MARGIN faster: on a near tie (an Intel CPU, a CPU held to AVX2) torch's ro
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -22,9 +23,10 @@ ONEDNN: dict[str, bool] = {}  # kind -> whether oneDNN multiplies it, once chose
 ROWS = 4096  # the most rows the timing multiplies: enough to show each library's speed
 
 
-def mkldnn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, K] @ w.T (w [M, K], any strides: a transposed view is read as it lies) by oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+def mkldnn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, K] @ weight.T by oneDNN: weight [M, K] in any strides (a transposed view is read as
+    it lies), or packed by oneDNN (astrai/infer/packed.py)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 @torch.library.custom_op("astrai::onednn_linear", mutates_args=())
@@ -101,18 +103,16 @@ def choose(rows: int, inputs: int, outputs: int) -> dict[str, bool]:
     x, dy = torch.randn(rows, inputs, generator=g), torch.randn(rows, outputs, generator=g)
     w = torch.randn(outputs, inputs, generator=g)
     operands = {"forward": (x, w), "input": (dy, w.t()), "weight": (dy.t(), x.t())}
+    from astrai.infer.timing import best_of_rounds  # (astrai.infer imports the model)
+
     for kind, (a, b) in operands.items():
-        mkl = _seconds(lambda a=a, b=b: a @ b.t())
-        onednn = _seconds(lambda a=a, b=b: mkldnn_linear(a, b))
-        ONEDNN[kind] = mkl > MARGIN * onednn
+        libraries = {"torch": lambda a=a, b=b: a @ b.t(), "onednn": partial(mkldnn_linear, a, b)}
+        best = best_of_rounds(libraries, _seconds)
+        ONEDNN[kind] = best["torch"] > MARGIN * best["onednn"]
     return ONEDNN
 
 
-def _seconds(product, repeats: int = 3) -> float:
-    product()  # first call: the library's kernel choice and the output's pages
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _seconds(product) -> float:
+    start = time.perf_counter()
+    product()
+    return time.perf_counter() - start

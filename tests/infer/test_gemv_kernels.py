@@ -273,6 +273,6 @@ def test_a_prompt_goes_to_the_faster_of_torchs_and_onednns_products(monkeypatch,
     def onednn(x, weight):
         return [torch.nn.functional.linear(x, weight) for _ in range(onednn_works)]
 
-    monkeypatch.setattr(float_gemv, "onednn_linear", onednn)
+    monkeypatch.setattr(float_gemv, "mkldnn_linear", onednn)
     chosen = float_gemv.prompt_product.__wrapped__(torch.float32)
     assert chosen is (onednn if onednn_works == 0 else torch.nn.functional.linear)
