@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from astrai.infer.timing import best_of_rounds, pass_seconds
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 from astrai.model.products import mkldnn_linear
+from astrai.timing import best_of_rounds, pass_seconds
 
 SURE_ROWS = 16  # rows the kernel led or matched torch's products at on every CPU measured
 FEW_ROWS = 4  # the same for its bfloat16 dot products (AVX-512 BF16, no AMX)

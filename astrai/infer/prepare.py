@@ -18,10 +18,10 @@ from astrai.infer.layouts import LAYOUTS
 from astrai.infer.packed import DTYPES
 from astrai.infer.quant import BUILDERS, Int8Matrix, int8_matrix, quantize_rows
 from astrai.infer.support import products_here
-from astrai.infer.timing import best_of_rounds, pass_seconds
 from astrai.kernels import gemv
 from astrai.model import Params
 from astrai.model.layers import FUSED, project
+from astrai.timing import best_of_rounds, pass_seconds
 
 log = logging.getLogger("astrai.infer")
 

@@ -17,6 +17,8 @@ from functools import partial
 
 import torch
 
+from astrai.timing import best_of_rounds
+
 KINDS = ("forward", "input", "weight")
 MARGIN = 1.1
 ONEDNN: dict[str, bool] = {}  # kind -> whether oneDNN multiplies it, once chosen
@@ -103,8 +105,6 @@ def choose(rows: int, inputs: int, outputs: int) -> dict[str, bool]:
     x, dy = torch.randn(rows, inputs, generator=g), torch.randn(rows, outputs, generator=g)
     w = torch.randn(outputs, inputs, generator=g)
     operands = {"forward": (x, w), "input": (dy, w.t()), "weight": (dy.t(), x.t())}
-    from astrai.infer.timing import best_of_rounds  # (astrai.infer imports the model)
-
     for kind, (a, b) in operands.items():
         libraries = {"torch": lambda a=a, b=b: a @ b.t(), "onednn": partial(mkldnn_linear, a, b)}
         best = best_of_rounds(libraries, _seconds)

@@ -1,5 +1,6 @@
-"""Timing products against each other on the running machine, as a decode step reads them:
-each candidate's weights streamed one after the other, the candidates alternating."""
+"""Timing products against each other on the running machine, the candidates alternating:
+inference's layouts as a decode step reads them (each candidate's weights streamed one after
+the other), training's float32 libraries (model/products.py)."""
 
 from __future__ import annotations
 
