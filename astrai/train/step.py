@@ -24,6 +24,7 @@ from astrai.train.compiling import compiled, note, should_compile
 from astrai.train.distributed import all_reduce_sum_
 from astrai.train.losses import distill_loss, loss_fn, with_advantages
 from astrai.train.optim import make_optimizer
+from astrai.train.product_choice import choose_products
 from astrai.train.schedules import lr_at
 from astrai.train.sharded import gathered, is_sharded, local, replicas_of
 from astrai.train.state import TrainState
@@ -210,16 +211,16 @@ def _accumulate(state: TrainState, batch, generator):
 
 
 def _choose_products(cfg: ModelConfig, train_cfg: TrainConfig, device, micro: dict) -> None:
-    """The float32 products' libraries (model/products.py), timed once a process at the first
-    micro-batch's tokens and the model's widest matrix, before anything is compiled."""
+    """The float32 products' libraries (model/products.py) at the first micro-batch's tokens
+    and the model's widest matrix, as this machine chose them (product_choice.py), before
+    anything is compiled."""
     if device.type != "cpu" or train_cfg.precision != "float32" or products.ONEDNN:
         return
     rows = max(
         (v.numel() for v in micro.values() if torch.is_tensor(v) and v.dim() == 2), default=0
     )
-    widest = cfg.intermediate_size or 4 * cfg.hidden_size
     if rows:
-        products.choose(rows, cfg.hidden_size, widest)
+        choose_products(rows, cfg.hidden_size, cfg.intermediate_size or 4 * cfg.hidden_size)
 
 
 def train_step(state: TrainState, batch: dict | list[dict]) -> tuple[TrainState, dict]:
