@@ -92,25 +92,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def read_records(path: Path) -> dict[str, float]:
-    """The stored peaks by record key; a missing or unreadable file is no record."""
+def load_records(path: Path) -> dict:
+    """A record file's JSON object; a missing or unreadable file, or another value, is none."""
     try:
         records = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(records, dict):
-        return {}
-    return {k: float(v) for k, v in records.items() if isinstance(v, int | float) and v > 0}
+    return records if isinstance(records, dict) else {}
 
 
-def write_record(path: Path, key: str, gflops: float) -> None:
-    """Store `gflops` for `key` where it beats the stored one. Best effort: a read-only cache
-    costs the record, not the run; two processes racing may lose one's value, which the next
-    measurement restores."""
-    records = read_records(path)
-    if records.get(key, 0.0) >= gflops:
-        return
-    records[key] = gflops
+def store_records(path: Path, records: dict) -> None:
+    """Write a record file whole. Best effort: a read-only cache costs the record, not the
+    run; two processes racing may lose one's entry, which a later one restores."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_name(f".{path.name}.{os.getpid()}")
@@ -118,6 +111,19 @@ def write_record(path: Path, key: str, gflops: float) -> None:
         os.replace(scratch, path)  # readers see the old file or the new one, never half
     except OSError:
         pass
+
+
+def read_records(path: Path) -> dict[str, float]:
+    """The stored peaks by record key; a missing or unreadable file is no record."""
+    records = load_records(path)
+    return {k: float(v) for k, v in records.items() if isinstance(v, int | float) and v > 0}
+
+
+def write_record(path: Path, key: str, gflops: float) -> None:
+    """Store `gflops` for `key` where it beats the stored one (store_records)."""
+    records = read_records(path)
+    if records.get(key, 0.0) < gflops:
+        store_records(path, {**records, key: gflops})
 
 
 def observe(device: torch.device, dtype: torch.dtype, gflops: float) -> float:

@@ -12,14 +12,12 @@ file to time again.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from astrai.files import write_atomically
 from astrai.model import products
-from astrai.train.matmul_peak import record_key, record_path
+from astrai.train.matmul_peak import load_records, record_key, record_path, store_records
 
 
 def choices_path() -> Path:
@@ -38,28 +36,17 @@ def choose_products(rows: int, inputs: int, outputs: int) -> dict[str, bool]:
         products.ONEDNN.update(records[key])
         return products.ONEDNN
     chosen = products.choose(rows, inputs, outputs)
-    if chosen:
-        try:
-            choices_path().parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({**records, key: chosen}, indent=1, sort_keys=True) + "\n"
-            write_atomically(choices_path(), lambda tmp: Path(tmp).write_text(text))
-        except OSError:
-            pass  # a read-only cache costs the next process a timing, not this run
+    if chosen:  # a read-only cache costs the next process a timing, not this run
+        store_records(choices_path(), {**records, key: chosen})
     return products.ONEDNN
 
 
 def read_choices(path: Path) -> dict[str, dict[str, bool]]:
     """The recorded choices; a missing or unreadable file, or an entry that is not a choice
     for every kind, is no record."""
-    try:
-        records = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(records, dict):
-        return {}
     return {
         key: choice
-        for key, choice in records.items()
+        for key, choice in load_records(path).items()
         if isinstance(choice, dict)
         and set(choice) == set(products.KINDS)
         and all(isinstance(v, bool) for v in choice.values())
