@@ -49,13 +49,14 @@ AVX512 INLINE void int4_column512(const uint8_t *nibbles, const uint16_t *scale,
         for (int i = 0; i < NX; i++) lo[i] = hi[i] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int k = 0; k < per_block; k++, line += 64) {
-            /* 2 KiB ahead, once every two lines: at one row the 0.5B shapes' matrices read
-             * from memory 1.2-1.3x as fast as with a prefetch every line, and within 4% of
-             * 1 or 4 KiB ahead (2-core AMD Zen 5, two threads). Past one row each line feeds
-             * 2 NX vpdpbusd, a pass runs behind the memory and the hardware's prefetchers fall
-             * behind: every other line also asks L2 for the line FAR ahead (8 rows 1.07-2.0x,
-             * 16 rows 1.28-1.75x; 8 or 32 KiB alike; at one row 0.94-1.01x, so not there) */
-            if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            /* Past one row each line feeds 2 NX vpdpbusd, a pass runs behind the memory and
+             * the hardware's prefetchers fall behind: every other line asks L1 for the line
+             * 2 KiB ahead and L2 for the one FAR ahead (8 rows 1.07-2.0x, 16 rows
+             * 1.28-1.75x; 8 or 32 KiB alike). At one row the hardware's prefetchers keep up
+             * alone, and the prefetches only cost issue slots: without them a 0.5B int4
+             * decode_step ran 1.02-1.04x as fast, a 1B one 1.03x, and the 0.5B shapes'
+             * matrices from L3 1.04-1.08x (2-core AMD Zen 5, two threads). */
+            if (NX > 1 && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             if (NX > 1 && k % 2 == 1) _mm_prefetch((const char *)line + FAR, _MM_HINT_T1);
             const __m512i v = _mm512_load_si512(line);
             const __m512i l = _mm512_and_si512(v, low), h = _mm512_and_si512(v, high);
@@ -148,8 +149,10 @@ AVX512 INLINE void int8_column512(const uint8_t *weight, const float *row_scale,
         for (int i = 0; i < NX; i++) dots[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int k = 0; k < BLOCK / 4; k++, line += 64) {
-            if (k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
-            if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            /* past one row only, as int4_column512 asks (at one row without them: a 0.5B
+             * int8 decode_step 1.03-1.04x, the matrices from L3 1.04-1.13x) */
+            if (NX > 1 && k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
+            if (NX > 1 && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             const __m512i v = _mm512_load_si512(line);
             const int8_t *x = xq + (size_t)b * BLOCK + 4 * k;
             if (NX == 1) {
@@ -234,7 +237,10 @@ AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint8_t *unpacked,
                 for (int i = 0; i < NX; i++) pairs[h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int k = k0; k < k0 + 4; k++, line += 64) {
-                if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+                /* one row (both halves) runs on the hardware's prefetchers alone: a 0.5B
+                 * int4 decode_step held to AVX2 1.09x as fast without this one (the 8-bit
+                 * pass below keeps its own: 0.98x without) */
+                if (H == 1 && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
                 if (!unpacked && NX > 1 && k % 2 == 1)
                     _mm_prefetch((const char *)line + FAR, _MM_HINT_T1);
                 const int8_t *x = xq + (size_t)b * block + 8 * k;
