@@ -29,7 +29,16 @@
 /* Each load of a pass asks for the same place in the next pass's rows, into L2 (prefetch):
  * at 1-4 activation rows of bfloat16 weights on a 2-core Intel Xeon a step over a 0.5B shape
  * read them 12-21% faster (one row 38 -> 33.5 ms, four 44.7 -> 35.1), float32 ones 12% at four
- * rows and as fast at one. */
+ * rows and as fast at one. At one row it depends on the CPU: on a 2-core AMD Zen 5 the 0.5B
+ * shapes' matrices read 1.10-1.35x as fast without it in float32 and 1.07-1.14x in bfloat16
+ * (a float32 decode_step 1.06x), the hardware's prefetchers keeping up alone. So whether a
+ * pass at one row asks, per weight dtype, is timed where the weights are prepared
+ * (astrai/infer/float_gemv.py, `one_row_ahead`) and set here; passes at more rows always ask. */
+static int ahead_at_one_row[2] = {1, 1}; /* [bfloat16 weights] */
+
+void astrai_float_one_row_ahead(int bf16, int on) {
+    ahead_at_one_row[bf16 != 0] = on != 0;
+}
 
 AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
     if (!bf16)
@@ -43,6 +52,7 @@ AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
 AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, int o, int stride,
                              int out, float *y, const int R, const int T) {
     const float *x = xs;
+    const int ahead = R > 1 || ahead_at_one_row[bf16 != 0];
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
@@ -51,8 +61,10 @@ AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, in
         __m512 wv[TILE];
         for (int t = 0; t < T; t++) {
             wv[t] = load16(w, bf16, (size_t)(o + t * stride) * in + i);
-            _mm_prefetch((const char *)w + (((size_t)(o + 1 + t * stride) * in + i) << (2 - bf16)),
-                         _MM_HINT_T1); /* the next pass's: see TILE */
+            if (ahead) /* the next pass's: see TILE */
+                _mm_prefetch(
+                    (const char *)w + (((size_t)(o + 1 + t * stride) * in + i) << (2 - bf16)),
+                    _MM_HINT_T1);
         }
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_loadu_ps(x + (size_t)r * in + i);
@@ -69,6 +81,7 @@ AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, in
 AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf16, int o,
                                  int stride, int out, float *y, const int R, const int T) {
     const uint16_t *x = xs, *w = ws;
+    const int ahead = R > 1 || ahead_at_one_row[1];
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
@@ -77,7 +90,9 @@ AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf1
         __m512bh wv[TILE];
         for (int t = 0; t < T; t++) {
             wv[t] = (__m512bh)_mm512_loadu_si512(w + (size_t)(o + t * stride) * in + i);
-            _mm_prefetch((const char *)(w + (size_t)(o + 1 + t * stride) * in + i), _MM_HINT_T1);
+            if (ahead)
+                _mm_prefetch((const char *)(w + (size_t)(o + 1 + t * stride) * in + i),
+                             _MM_HINT_T1);
         }
         for (int r = 0; r < R; r++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)r * in + i);

@@ -160,6 +160,12 @@ def float_isa() -> int:
     return _library().astrai_float_gemv_isa()
 
 
+def float_one_row_ahead(dtype: torch.dtype, on: bool) -> None:
+    """Whether the float product's passes at one row over `dtype` weights ask for the weights
+    ahead of them (float_gemv.c, `ahead_at_one_row`): the same values either way."""
+    _library().astrai_float_one_row_ahead(int(dtype == torch.bfloat16), int(on))
+
+
 def float_product(weight: torch.Tensor):
     """run(x, threads=None, isa=0): x [..., in] @ W.T in float32 for W = weight, float32 or
     bfloat16 [out, in] as torch holds it (float_gemv.c: in a multiple of 16)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
+from astrai.infer.float_gemv import one_row_ahead
 from astrai.kernels.build import kernel_library
 from astrai.kernels.gemv import float_product
 from astrai.model import param_shapes
@@ -48,11 +49,13 @@ def weights_reader(device: torch.device, nbytes: int, repeats: int = 5) -> Calla
     the cache's speed, not DRAM's: the real limit of a step that rereads them every token. The
     faster of two readers: torch's sum, and on the CPU our float32 product at one row over the
     same bytes as a [n / 1024, 1024] matrix (it reads in several streams a thread; torch's sum
-    read 1 GiB at 25 GB/s on a 2-core Intel Xeon where it read 31). Both only read slower than
-    the memory can, so a share of the roofline made from the faster never flatters."""
+    read 1 GiB at 25 GB/s on a 2-core Intel Xeon where it read 31), asking for the weights
+    ahead or not as is faster here. Both only read slower than the memory can, so a share of
+    the roofline made from the faster never flatters."""
     a = torch.rand(max(nbytes // 4, 1024) // 1024 * 1024, device=device)
     readers = [lambda: a.sum()]
     if device.type == "cpu" and kernel_library() is not None:
+        one_row_ahead(torch.float32)
         x = torch.rand(1, 1024)
         readers.append(functools.partial(float_product(a.view(-1, 1024)), x))
     size = a.element_size() * a.numel()

@@ -181,6 +181,38 @@ def test_the_float_product_sums_in_float32_at_any_row_count(dtype, isa, shape):
         assert torch.equal(run(x, threads=1, isa=isa)[:1], run(x[:1], threads=2, isa=isa))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_asking_for_the_weights_ahead_at_one_row_changes_no_value(dtype):
+    from astrai.infer.float_gemv import one_row_ahead
+
+    path(1)
+    g = torch.Generator().manual_seed(5)
+    run = gemv.float_product(torch.randn(150, 256, generator=g).to(dtype))
+    x = torch.randn(1, 256, generator=g).to(dtype).float()
+    try:
+        for isa in range(1, gemv.float_isa() + 1):
+            ys = []
+            for ahead in (True, False):
+                gemv.float_one_row_ahead(dtype, ahead)
+                ys.append(run(x, isa=isa))
+            assert torch.equal(*ys), isa
+    finally:
+        gemv.float_one_row_ahead(dtype, one_row_ahead(dtype))  # as timed for this process
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_one_row_asks_ahead_where_that_is_faster(monkeypatch, faster):
+    # a pass made slower one way (here: timed as two seconds against one) is not kept
+    from astrai.infer import float_gemv
+
+    path(1)
+    state = []
+    monkeypatch.setattr(gemv, "float_one_row_ahead", lambda dtype, on: state.append(on))
+    monkeypatch.setattr(float_gemv, "pass_seconds", lambda runs, x: 1.0 + (state[-1] != faster))
+    assert float_gemv.one_row_ahead.__wrapped__(torch.float32) is faster
+    assert state[-1] is faster  # and the kernel is left that way
+
+
 def test_the_float_product_refuses_what_it_cannot_take():
     path(1)
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
