@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from astrai.infer.ahead import one_row_ahead
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 from astrai.model.products import mkldnn_linear
@@ -45,28 +46,6 @@ def kernel_rows(dtype: torch.dtype) -> int:
             break
         rows = more
     return rows
-
-
-@functools.cache
-def one_row_ahead(dtype: torch.dtype) -> bool:
-    """Whether the kernel's passes at one row ask for the weights ahead of them, timed here
-    and set in the kernel, once a process: on a 2-core Intel Xeon asking read a step's
-    bfloat16 weights 13% faster, on a 2-core AMD Zen 5 not asking read float32 ones 1.10-1.35x
-    and bfloat16 ones 1.07-1.14x as fast (float_gemv.c). The two ways alternate over matrices
-    streamed from memory, as a decode step reads them; the values are the same either way."""
-    shape = (4096, 1024)
-    copies = max(TIMED_BYTES // (shape[0] * shape[1] * dtype.itemsize), 1)
-    runs = [gemv.float_product(torch.full(shape, 0.01, dtype=dtype)) for _ in range(copies)]
-    x = torch.full((1, shape[1]), 0.5, dtype=dtype)
-
-    def seconds(on: bool) -> float:
-        gemv.float_one_row_ahead(dtype, on)
-        return pass_seconds(runs, x)
-
-    best = best_of_rounds({True: True, False: False}, seconds)
-    ahead = best[True] < best[False]
-    gemv.float_one_row_ahead(dtype, ahead)
-    return ahead
 
 
 def sure_rows(dtype: torch.dtype) -> int:
@@ -135,7 +114,8 @@ class GemvMatrix:
 
 def gemv_matrix(w: torch.Tensor) -> GemvMatrix:
     """w [out, in] (float32 or bfloat16 on the CPU, in a multiple of 16) for our kernel."""
-    one_row_ahead(w.dtype)  # all timed now, as weights are prepared, not in a request's first step
+    # all timed now, as weights are prepared, not in a request's first step
+    one_row_ahead(gemv.BFLOAT16 if w.dtype == torch.bfloat16 else gemv.FLOAT32)
     kernel_rows(w.dtype)
     prompt_product(w.dtype)
     w = w.contiguous()

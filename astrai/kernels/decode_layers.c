@@ -19,8 +19,6 @@
 
 #include "vector_math.h"
 
-enum { FLOAT32, BFLOAT16, INT8, INT4 }; /* the matrices' products */
-
 typedef struct {
     int kind, in, out, group;            /* group: INT4's inputs per scale */
     const void *weight, *scale, *zero;   /* as the kind's product takes them (gemv.py) */

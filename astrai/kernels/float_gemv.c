@@ -31,14 +31,8 @@
  * read them 12-21% faster (one row 38 -> 33.5 ms, four 44.7 -> 35.1), float32 ones 12% at four
  * rows and as fast at one. At one row it depends on the CPU: on a 2-core AMD Zen 5 the 0.5B
  * shapes' matrices read 1.10-1.35x as fast without it in float32 and 1.07-1.14x in bfloat16
- * (a float32 decode_step 1.06x), the hardware's prefetchers keeping up alone. So whether a
- * pass at one row asks, per weight dtype, is timed where the weights are prepared
- * (astrai/infer/float_gemv.py, `one_row_ahead`) and set here; passes at more rows always ask. */
-static int ahead_at_one_row[2] = {1, 1}; /* [bfloat16 weights] */
-
-void astrai_float_one_row_ahead(int bf16, int on) {
-    ahead_at_one_row[bf16 != 0] = on != 0;
-}
+ * (a float32 decode_step 1.06x), the hardware's prefetchers keeping up alone; whether a pass
+ * at one row asks is timed per machine (astrai_ahead_at_one_row, gemv.c). */
 
 AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
     if (!bf16)
@@ -52,7 +46,7 @@ AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
 AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, int o, int stride,
                              int out, float *y, const int R, const int T) {
     const float *x = xs;
-    const int ahead = R > 1 || ahead_at_one_row[bf16 != 0];
+    const int ahead = R > 1 || astrai_ahead_at_one_row[bf16 ? BFLOAT16 : FLOAT32];
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
@@ -81,7 +75,7 @@ AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, in
 AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf16, int o,
                                  int stride, int out, float *y, const int R, const int T) {
     const uint16_t *x = xs, *w = ws;
-    const int ahead = R > 1 || ahead_at_one_row[1];
+    const int ahead = R > 1 || astrai_ahead_at_one_row[BFLOAT16];
     __m512 acc[4][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)

@@ -12,6 +12,21 @@
 /* How far ahead a pass over many rows asks for weights into L2 (bytes) */
 #define FAR 16384
 
+/* Whether a pass at one activation row asks for the weights ahead in software, per product kind
+ * (vector_math.h). Past one row a pass runs behind the memory and the asks pay (below); at one
+ * row the hardware's prefetchers may keep up alone, and which way is faster differs by CPU and
+ * path: on a 2-core AMD Zen 5 without them a 0.5B int4 decode_step ran 1.02-1.04x as fast
+ * (held to AVX2 1.09x), an int8 one 1.03-1.04x (held to AVX2 0.98x), float32 weights read
+ * 1.10-1.35x as fast and bfloat16 ones 1.07-1.14x, where on a 2-core Intel Xeon the float
+ * pass's ask read a step's bfloat16 weights 13% faster. So each kind's is timed once a process
+ * as the weights are prepared (astrai/infer/ahead.py) and set here; the values are the same
+ * either way. Until then: the float passes ask, the 4- and 8-bit ones do not. */
+int astrai_ahead_at_one_row[4] = {[FLOAT32] = 1, [BFLOAT16] = 1, [INT8] = 0, [INT4] = 0};
+
+void astrai_one_row_ahead(int kind, int on) {
+    if (kind >= 0 && kind < 4) astrai_ahead_at_one_row[kind] = on != 0;
+}
+
 /* ---------------------------------------------------------------- 4-bit weights, AVX-512 VNNI */
 
 /* acc += the 4-byte dots of w (unsigned) with the 4 signed bytes at p, broadcast from memory:
@@ -35,6 +50,7 @@ AVX512 INLINE void int4_column512(const uint8_t *nibbles, const uint16_t *scale,
     const int width = a->width, groups = width / G, octets = width / 8;
     const int block = G > PAIR ? G : BLOCK, blocks = width / block, per_block = block / 8;
     const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8((char)0xf0);
+    const int ahead = NX > 1 || astrai_ahead_at_one_row[INT4];
     const uint8_t *line = nibbles + (size_t)column * octets * 64;
     const uint16_t *s16 = scale + (size_t)column * groups * 16;
     const uint16_t *z16 = zero + (size_t)column * groups * 16;
@@ -52,11 +68,8 @@ AVX512 INLINE void int4_column512(const uint8_t *nibbles, const uint16_t *scale,
             /* Past one row each line feeds 2 NX vpdpbusd, a pass runs behind the memory and
              * the hardware's prefetchers fall behind: every other line asks L1 for the line
              * 2 KiB ahead and L2 for the one FAR ahead (8 rows 1.07-2.0x, 16 rows
-             * 1.28-1.75x; 8 or 32 KiB alike). At one row the hardware's prefetchers keep up
-             * alone, and the prefetches only cost issue slots: without them a 0.5B int4
-             * decode_step ran 1.02-1.04x as fast, a 1B one 1.03x, and the 0.5B shapes'
-             * matrices from L3 1.04-1.08x (2-core AMD Zen 5, two threads). */
-            if (NX > 1 && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+             * 1.28-1.75x; 8 or 32 KiB alike). One row: astrai_ahead_at_one_row. */
+            if (ahead && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             if (NX > 1 && k % 2 == 1) _mm_prefetch((const char *)line + FAR, _MM_HINT_T1);
             const __m512i v = _mm512_load_si512(line);
             const __m512i l = _mm512_and_si512(v, low), h = _mm512_and_si512(v, high);
@@ -139,6 +152,7 @@ AVX512 INLINE void int8_column512(const uint8_t *weight, const float *row_scale,
     const int width = a->width, blocks = width / BLOCK;
     const uint8_t *line = weight + (size_t)column * (width / 4) * 64;
     const int8_t *xq = a->q + (size_t)x0 * width;
+    const int ahead = NX > 1 || astrai_ahead_at_one_row[INT8];
     __m512 acc[8];
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
@@ -149,10 +163,8 @@ AVX512 INLINE void int8_column512(const uint8_t *weight, const float *row_scale,
         for (int i = 0; i < NX; i++) dots[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int k = 0; k < BLOCK / 4; k++, line += 64) {
-            /* past one row only, as int4_column512 asks (at one row without them: a 0.5B
-             * int8 decode_step 1.03-1.04x, the matrices from L3 1.04-1.13x) */
-            if (NX > 1 && k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
-            if (NX > 1 && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            if (ahead && k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
+            if (ahead && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             const __m512i v = _mm512_load_si512(line);
             const int8_t *x = xq + (size_t)b * BLOCK + 4 * k;
             if (NX == 1) {
@@ -214,6 +226,7 @@ AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint8_t *unpacked,
     const int width = a->width, groups = width / G, octets = width / 8;
     const int block = G > PAIR ? G : BLOCK, blocks = width / block, per_block = block / 8;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int ahead = H == 1 || astrai_ahead_at_one_row[INT4]; /* H 2: one row, both halves */
     const uint8_t *line = unpacked ? unpacked : nibbles + (size_t)column * octets * 64 + 32 * half;
     const uint16_t *s8 = scale + (size_t)column * groups * 16 + 8 * half;
     const uint16_t *z8 = zero + (size_t)column * groups * 16 + 8 * half;
@@ -237,10 +250,7 @@ AVX2 INLINE void int4_half256(const uint8_t *nibbles, const uint8_t *unpacked,
                 for (int i = 0; i < NX; i++) pairs[h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int k = k0; k < k0 + 4; k++, line += 64) {
-                /* one row (both halves) runs on the hardware's prefetchers alone: a 0.5B
-                 * int4 decode_step held to AVX2 1.09x as fast without this one (the 8-bit
-                 * pass below keeps its own: 0.98x without) */
-                if (H == 1 && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+                if (ahead && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
                 if (!unpacked && NX > 1 && k % 2 == 1)
                     _mm_prefetch((const char *)line + FAR, _MM_HINT_T1);
                 const int8_t *x = xq + (size_t)b * block + 8 * k;
@@ -360,6 +370,7 @@ AVX2 INLINE void int8_half256(const uint8_t *weight, const float *row_scale, con
                               const int NX) {
     const int width = a->width, blocks = width / BLOCK;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int ahead = H == 1 || astrai_ahead_at_one_row[INT8];
     const uint8_t *line = weight + (size_t)column * (width / 4) * 64 + 32 * half;
     const int8_t *xq = a->q + (size_t)x0 * width;
     __m256 acc[2][3];
@@ -375,8 +386,8 @@ AVX2 INLINE void int8_half256(const uint8_t *weight, const float *row_scale, con
             for (int i = 0; i < NX; i++) sum[h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int k = 0; k < BLOCK / 4; k++, line += 64) {
-            if (k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
-            if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            if (ahead && k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
+            if (ahead && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             const int8_t *x = xq + (size_t)b * BLOCK + 4 * k;
 #pragma GCC unroll 2
             for (int h = 0; h < H; h++) {

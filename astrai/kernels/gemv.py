@@ -76,6 +76,13 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return _columns(padded.view(torch.uint8) ^ 0x80, 4)  # two's complement w + 128
 
 
+def one_row_ahead(kind: int, on: bool) -> None:
+    """Whether the passes of products of `kind` (FLOAT32, BFLOAT16, INT8, INT4) at one row
+    ask for the weights ahead in software (gemv.c, `astrai_ahead_at_one_row`; timed by
+    astrai/infer/ahead.py): the same values either way."""
+    _library().astrai_one_row_ahead(kind, int(on))
+
+
 def _library():
     lib = kernel_library()
     if lib is None:
@@ -158,12 +165,6 @@ FLOAT_AMX = 4  # the float product's path with AMX tiles (float_gemv.c)
 def float_isa() -> int:
     """The float product's best path here: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX."""
     return _library().astrai_float_gemv_isa()
-
-
-def float_one_row_ahead(dtype: torch.dtype, on: bool) -> None:
-    """Whether the float product's passes at one row over `dtype` weights ask for the weights
-    ahead of them (float_gemv.c, `ahead_at_one_row`): the same values either way."""
-    _library().astrai_float_one_row_ahead(int(dtype == torch.bfloat16), int(on))
 
 
 def float_product(weight: torch.Tensor):

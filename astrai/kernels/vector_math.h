@@ -7,6 +7,12 @@
 #include <string.h>
 
 #define AVX2 __attribute__((target("avx2,fma")))
+
+enum { FLOAT32, BFLOAT16, INT8, INT4 }; /* the products' kinds (gemv.py's constants) */
+
+/* Whether a product's pass at one activation row asks for the weights ahead in software, per
+ * kind (gemv.c): passes at more rows always ask. */
+extern int astrai_ahead_at_one_row[4];
 #define INLINE static inline __attribute__((always_inline))
 
 /* one bfloat16 value (its bits) as float32 */

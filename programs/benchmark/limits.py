@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from astrai.config import ModelConfig
-from astrai.infer.float_gemv import one_row_ahead
+from astrai.infer.ahead import one_row_ahead
+from astrai.kernels import gemv
 from astrai.kernels.build import kernel_library
 from astrai.kernels.gemv import float_product
 from astrai.model import param_shapes
@@ -55,7 +56,7 @@ def weights_reader(device: torch.device, nbytes: int, repeats: int = 5) -> Calla
     a = torch.rand(max(nbytes // 4, 1024) // 1024 * 1024, device=device)
     readers = [lambda: a.sum()]
     if device.type == "cpu" and kernel_library() is not None:
-        one_row_ahead(torch.float32)
+        one_row_ahead(gemv.FLOAT32)
         x = torch.rand(1, 1024)
         readers.append(functools.partial(float_product(a.view(-1, 1024)), x))
     size = a.element_size() * a.numel()

@@ -181,36 +181,52 @@ def test_the_float_product_sums_in_float32_at_any_row_count(dtype, isa, shape):
         assert torch.equal(run(x, threads=1, isa=isa)[:1], run(x[:1], threads=2, isa=isa))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_asking_for_the_weights_ahead_at_one_row_changes_no_value(dtype):
-    from astrai.infer.float_gemv import one_row_ahead
+def _random_product(kind: int, generator: torch.Generator):
+    """(run, the paths it has here) of a random 150 x 256 matrix of `kind` on our kernel."""
+    out_features, in_features = 150, 256
+    w = torch.randn(out_features, in_features, generator=generator)
+    if kind in (gemv.FLOAT32, gemv.BFLOAT16):
+        dtype = torch.float32 if kind == gemv.FLOAT32 else torch.bfloat16
+        return gemv.float_product(w.to(dtype)), gemv.float_isa()
+    if kind == gemv.INT8:
+        q, scale = quantize_rows(w)
+        return gemv.int8_product(gemv.pack_int8(q), scale, tuple(w.shape)), gemv.isa()
+    q, scale, zero = quantize_groups(w, 128)
+    packed = gemv.pack_int4(q, scale, zero, 128)
+    return gemv.int4_product(*packed, 128, tuple(w.shape)), gemv.isa()
+
+
+@pytest.mark.parametrize("kind", [gemv.FLOAT32, gemv.BFLOAT16, gemv.INT8, gemv.INT4])
+def test_asking_for_the_weights_ahead_at_one_row_changes_no_value(kind):
+    from astrai.infer.ahead import one_row_ahead
 
     path(1)
     g = torch.Generator().manual_seed(5)
-    run = gemv.float_product(torch.randn(150, 256, generator=g).to(dtype))
-    x = torch.randn(1, 256, generator=g).to(dtype).float()
+    run, paths = _random_product(kind, g)
+    x = torch.randn(1, 256, generator=g).bfloat16().float()
     try:
-        for isa in range(1, gemv.float_isa() + 1):
+        for isa in range(1, paths + 1):
             ys = []
             for ahead in (True, False):
-                gemv.float_one_row_ahead(dtype, ahead)
+                gemv.one_row_ahead(kind, ahead)
                 ys.append(run(x, isa=isa))
             assert torch.equal(*ys), isa
     finally:
-        gemv.float_one_row_ahead(dtype, one_row_ahead(dtype))  # as timed for this process
+        gemv.one_row_ahead(kind, one_row_ahead(kind))  # as timed for this process
 
 
+@pytest.mark.parametrize("kind", [gemv.FLOAT32, gemv.INT4])
 @pytest.mark.parametrize("faster", [True, False])
-def test_one_row_asks_ahead_where_that_is_faster(monkeypatch, faster):
+def test_one_row_asks_ahead_where_that_is_faster(monkeypatch, kind, faster):
     # a pass made slower one way (here: timed as two seconds against one) is not kept
-    from astrai.infer import float_gemv
+    from astrai.infer import ahead
 
     path(1)
     state = []
-    monkeypatch.setattr(gemv, "float_one_row_ahead", lambda dtype, on: state.append(on))
-    monkeypatch.setattr(float_gemv, "pass_seconds", lambda runs, x: 1.0 + (state[-1] != faster))
-    assert float_gemv.one_row_ahead.__wrapped__(torch.float32) is faster
-    assert state[-1] is faster  # and the kernel is left that way
+    monkeypatch.setattr(gemv, "one_row_ahead", lambda kind, on: state.append(on))
+    monkeypatch.setattr(ahead, "pass_seconds", lambda runs, x: 1.0 + (state[-1] != faster))
+    assert ahead.one_row_ahead.__wrapped__(kind) is faster
+    assert state[-1] is faster  # and the kernels are left that way
 
 
 def test_the_float_product_refuses_what_it_cannot_take():
