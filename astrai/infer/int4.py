@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from astrai.hardware import native_bf16
-from astrai.infer.ahead import one_row_ahead
 from astrai.infer.quant import by_rows
 from astrai.kernels import gemv
 from astrai.model.layers import cast
@@ -133,7 +132,6 @@ def _weight_only(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
 
 
 def _gemv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
-    one_row_ahead(gemv.INT4)  # timed once, as the weights are prepared
     nibbles, scale_bits, zero_bits = gemv.pack_int4(q, scale, zero, group)
     return nibbles, gemv.int4_product(nibbles, scale_bits, zero_bits, group, tuple(q.shape))
 

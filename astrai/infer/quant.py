@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from astrai.hardware import cpu_flags
-from astrai.infer.ahead import one_row_ahead
 from astrai.kernels import gemv
 from astrai.model.layers import cast
 
@@ -110,7 +109,6 @@ def _dynamic(q: torch.Tensor, scale: torch.Tensor) -> Callable:
 
 
 def _gemv(q: torch.Tensor, scale: torch.Tensor) -> Callable:
-    one_row_ahead(gemv.INT8)  # timed once, as the weights are prepared
     return gemv.int8_product(gemv.pack_int8(q), scale, tuple(q.shape))
 
 

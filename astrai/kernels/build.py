@@ -104,7 +104,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_float_gemv_isa.argtypes = []
     lib.astrai_float_gemv.restype = i
     lib.astrai_float_gemv.argtypes = [p, i, i, p, i, i, p, i, i]
-    lib.astrai_one_row_ahead.restype = None
+    lib.astrai_one_row_ahead.restype = i
     lib.astrai_one_row_ahead.argtypes = [i, i]
     lib.astrai_paged_attention.restype = i
     lib.astrai_paged_attention.argtypes = [p, i64, p, p, i, i, p, i, p, i, i, i, i, i, i, f, p, i]

@@ -18,13 +18,17 @@
  * path: on a 2-core AMD Zen 5 without them a 0.5B int4 decode_step ran 1.02-1.04x as fast
  * (held to AVX2 1.09x), an int8 one 1.03-1.04x (held to AVX2 0.98x), float32 weights read
  * 1.10-1.35x as fast and bfloat16 ones 1.07-1.14x, where on a 2-core Intel Xeon the float
- * pass's ask read a step's bfloat16 weights 13% faster. So each kind's is timed once a process
- * as the weights are prepared (astrai/infer/ahead.py) and set here; the values are the same
- * either way. Until then: the float passes ask, the 4- and 8-bit ones do not. */
+ * pass's ask read a step's bfloat16 weights 13% faster. So the float kinds' is timed once a
+ * process as the weights are prepared (astrai/infer/ahead.py) and set here, where one way
+ * leads by a margin; the 4- and 8-bit passes keep theirs (a few percent either way, which a
+ * short timing did not tell apart on that AMD). The values are the same either way. */
 int astrai_ahead_at_one_row[4] = {[FLOAT32] = 1, [BFLOAT16] = 1, [INT8] = 0, [INT4] = 0};
 
-void astrai_one_row_ahead(int kind, int on) {
-    if (kind >= 0 && kind < 4) astrai_ahead_at_one_row[kind] = on != 0;
+/* kind's setting: set to `on` first unless it is negative */
+int astrai_one_row_ahead(int kind, int on) {
+    if (kind < 0 || kind > 3) return -1;
+    if (on >= 0) astrai_ahead_at_one_row[kind] = on != 0;
+    return astrai_ahead_at_one_row[kind];
 }
 
 /* ---------------------------------------------------------------- 4-bit weights, AVX-512 VNNI */

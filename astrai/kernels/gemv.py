@@ -76,11 +76,11 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return _columns(padded.view(torch.uint8) ^ 0x80, 4)  # two's complement w + 128
 
 
-def one_row_ahead(kind: int, on: bool) -> None:
+def one_row_ahead(kind: int, on: bool | None = None) -> bool:
     """Whether the passes of products of `kind` (FLOAT32, BFLOAT16, INT8, INT4) at one row
     ask for the weights ahead in software (gemv.c, `astrai_ahead_at_one_row`; timed by
-    astrai/infer/ahead.py): the same values either way."""
-    _library().astrai_one_row_ahead(kind, int(on))
+    astrai/infer/ahead.py), set to `on` first unless it is None: the same values either way."""
+    return bool(_library().astrai_one_row_ahead(kind, -1 if on is None else int(on)))
 
 
 def _library():
