@@ -16,12 +16,13 @@
  * (vector_math.h). Past one row a pass runs behind the memory and the asks pay (below); at one
  * row the hardware's prefetchers may keep up alone, and which way is faster differs by CPU and
  * path: on a 2-core AMD Zen 5 without them a 0.5B int4 decode_step ran 1.02-1.04x as fast
- * (held to AVX2 1.09x), an int8 one 1.03-1.04x (held to AVX2 0.98x), float32 weights read
- * 1.10-1.35x as fast and bfloat16 ones 1.07-1.14x, where on a 2-core Intel Xeon the float
- * pass's ask read a step's bfloat16 weights 13% faster. So the float kinds' is timed once a
- * process as the weights are prepared (astrai/infer/ahead.py) and set here, where one way
- * leads by a margin; the 4- and 8-bit passes keep theirs (a few percent either way, which a
- * short timing did not tell apart on that AMD). The values are the same either way. */
+ * (held to AVX2 1.09x), an int8 one 1.03-1.04x (held to AVX2 0.98x: that pass keeps asking),
+ * float32 weights read 1.10-1.35x as fast and bfloat16 ones 1.07-1.14x, where on a 2-core
+ * Intel Xeon the float pass's ask read a step's bfloat16 weights 13% faster. So the float
+ * kinds' is timed once a process as the weights are prepared (astrai/infer/ahead.py) and set
+ * here, where one way leads by a margin; the 4- and 8-bit passes keep theirs (a few percent
+ * either way, which a short timing did not tell apart on that AMD). The values are the same
+ * either way. */
 int astrai_ahead_at_one_row[4] = {[FLOAT32] = 1, [BFLOAT16] = 1, [INT8] = 0, [INT4] = 0};
 
 /* kind's setting: set to `on` first unless it is negative */
@@ -374,7 +375,6 @@ AVX2 INLINE void int8_half256(const uint8_t *weight, const float *row_scale, con
                               const int NX) {
     const int width = a->width, blocks = width / BLOCK;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const int ahead = H == 1 || astrai_ahead_at_one_row[INT8];
     const uint8_t *line = weight + (size_t)column * (width / 4) * 64 + 32 * half;
     const int8_t *xq = a->q + (size_t)x0 * width;
     __m256 acc[2][3];
@@ -390,8 +390,10 @@ AVX2 INLINE void int8_half256(const uint8_t *weight, const float *row_scale, con
             for (int i = 0; i < NX; i++) sum[h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int k = 0; k < BLOCK / 4; k++, line += 64) {
-            if (ahead && k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
-            if (ahead && k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
+            /* at one row too (astrai_ahead_at_one_row aside): without, a 0.5B int8 step held
+             * to AVX2 ran 0.98x as fast on the AMD Zen 5 */
+            if (k % 2 == 1) _mm_prefetch((const char *)line + 8192, _MM_HINT_T1);
+            if (k % 2 == 0) _mm_prefetch((const char *)line + 2048, _MM_HINT_T0);
             const int8_t *x = xq + (size_t)b * BLOCK + 4 * k;
 #pragma GCC unroll 2
             for (int h = 0; h < H; h++) {
