@@ -15,7 +15,6 @@ from astrai.config import ModelConfig
 from astrai.infer.ahead import one_row_ahead
 from astrai.kernels import gemv
 from astrai.kernels.build import kernel_library
-from astrai.kernels.gemv import float_product
 from astrai.model import param_shapes
 from astrai.train.mfu import matmul_peak_gflops
 
@@ -58,7 +57,7 @@ def weights_reader(device: torch.device, nbytes: int, repeats: int = 5) -> Calla
     if device.type == "cpu" and kernel_library() is not None:
         one_row_ahead(gemv.FLOAT32)
         x = torch.rand(1, 1024)
-        readers.append(functools.partial(float_product(a.view(-1, 1024)), x))
+        readers.append(functools.partial(gemv.float_product(a.view(-1, 1024)), x))
     size = a.element_size() * a.numel()
     return lambda: max(_best_rate(read, size, device, repeats) for read in readers)
 

@@ -183,17 +183,14 @@ def test_the_float_product_sums_in_float32_at_any_row_count(dtype, isa, shape):
 
 def _random_product(kind: int, generator: torch.Generator):
     """(run, the paths it has here) of a random 150 x 256 matrix of `kind` on our kernel."""
-    out_features, in_features = 150, 256
-    w = torch.randn(out_features, in_features, generator=generator)
-    if kind in (gemv.FLOAT32, gemv.BFLOAT16):
-        dtype = torch.float32 if kind == gemv.FLOAT32 else torch.bfloat16
-        return gemv.float_product(w.to(dtype)), gemv.float_isa()
     if kind == gemv.INT8:
-        q, scale = quantize_rows(w)
-        return gemv.int8_product(gemv.pack_int8(q), scale, tuple(w.shape)), gemv.isa()
-    q, scale, zero = quantize_groups(w, 128)
-    packed = gemv.pack_int4(q, scale, zero, 128)
-    return gemv.int4_product(*packed, 128, tuple(w.shape)), gemv.isa()
+        return int8_case(150, 256)[0], gemv.isa()
+    if kind == gemv.INT4:
+        return int4_case(150, 256, 128)[0], gemv.isa()
+    dtype = torch.float32 if kind == gemv.FLOAT32 else torch.bfloat16
+    return gemv.float_product(
+        torch.randn(150, 256, generator=generator).to(dtype)
+    ), gemv.float_isa()
 
 
 @pytest.mark.parametrize("kind", [gemv.FLOAT32, gemv.BFLOAT16, gemv.INT8, gemv.INT4])
