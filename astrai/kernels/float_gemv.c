@@ -13,7 +13,7 @@
  * weights AMX tiles (amx.c, from five rows) and AVX-512 BF16 (vdpbf16ps; both round the
  * activations to bfloat16 once a call, as a bfloat16 model's already are, and sum the products
  * in float32; in a multiple of 32), AVX-512 (16 lanes, bfloat16 weights widened to float32;
- * four activation rows a pass: 16 accumulators) and AVX2 + FMA (8 lanes, three rows). Output
+ * up to six activation rows a pass: 24 accumulators) and AVX2 + FMA (8 lanes, three rows). Output
  * rows are split over the OpenMP threads of torch's libgomp, each thread one contiguous
  * range. */
 #include <immintrin.h>
@@ -26,13 +26,18 @@
 #define AVX512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define TILE 4 /* weight rows a pass reads */
-/* Each load of a pass asks for the same place in the next pass's rows, into L2 (prefetch):
- * at 1-4 activation rows of bfloat16 weights on a 2-core Intel Xeon a step over a 0.5B shape
- * read them 12-21% faster (one row 38 -> 33.5 ms, four 44.7 -> 35.1), float32 ones 12% at four
- * rows and as fast at one. At one row it depends on the CPU: on a 2-core AMD Zen 5 the 0.5B
- * shapes' matrices read 1.10-1.35x as fast without it in float32 and 1.07-1.14x in bfloat16
- * (a float32 decode_step 1.06x), the hardware's prefetchers keeping up alone; whether a pass
- * at one row asks is timed per machine (astrai_ahead_at_one_row, gemv.c). */
+#define ROWS 6  /* activation rows an AVX-512 pass multiplies: 24 accumulators, 4 weights, 1 input */
+/* Each load of a pass asks for the same place in the next pass's rows (prefetch): at 1-4
+ * activation rows of bfloat16 weights on a 2-core Intel Xeon a step over a 0.5B shape read them
+ * 12-21% faster into L2 (one row 38 -> 33.5 ms, four 44.7 -> 35.1), float32 ones 12% at four
+ * rows and as fast at one. At more than one row the next pass's rows are asked into L1, where
+ * every block of activation rows reads them again: on a 2-core AMD Zen 5 the 0.5B shapes'
+ * float32 matrices at 16 rows 1.05-1.2x as fast as into L2, bfloat16 ones by dot products
+ * 1.05-1.15x at 4 and 16. At one row it depends on the CPU: on the AMD Zen 5 the matrices read
+ * 1.10-1.35x as fast without asking in float32 and 1.07-1.14x in bfloat16 (a float32
+ * decode_step 1.06x), the hardware's prefetchers keeping up alone; whether a pass at one row
+ * asks is timed per machine (astrai_ahead_at_one_row, gemv.c), into L2 as measured. */
+#define AHEAD(R) ((R) > 1 ? _MM_HINT_T0 : _MM_HINT_T1)
 
 AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
     if (!bf16)
@@ -41,13 +46,39 @@ AVX512F INLINE __m512 load16(const void *w, int bf16, size_t i) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+/* the sums of the lanes of a, b, c and d, in that order: the four at once, halving and adding
+ * across them, in 13 instructions where four reductions take 32 */
+AVX512F INLINE __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xee));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* y[r][o + t * stride], the sum of acc[r][t]'s lanes, for R rows and T weight rows (1 or
+ * TILE). One weight row's sums are added in the same order as four's, so that an output has
+ * the same bits whichever pass reads its row (the threads' ranges move with the rows' count). */
+AVX512F INLINE void store_sums(__m512 acc[][TILE], const int R, const int T, float *y, int out,
+                               int o, int stride) {
+    for (int r = 0; r < R; r++) {
+        float sums[TILE], *row = y + (size_t)r * out + o;
+        const __m512 *a = acc[r];
+        _mm_storeu_ps(sums, T == 1 ? sum_lanes4(a[0], a[0], a[0], a[0])
+                                   : sum_lanes4(a[0], a[1], a[2], a[3]));
+        for (int t = 0; t < T; t++)
+            row[t * stride] = sums[t];
+    }
+}
+
 /* y[r][o + t * stride] for R activation rows and T weight rows `stride` apart from o: constants
  * once inlined, so that the accumulators stay in registers */
 AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, int o, int stride,
                              int out, float *y, const int R, const int T) {
     const float *x = xs;
     const int ahead = R > 1 || astrai_ahead_at_one_row[bf16 ? BFLOAT16 : FLOAT32];
-    __m512 acc[4][TILE];
+    __m512 acc[ROWS][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
             acc[r][t] = _mm512_setzero_ps();
@@ -58,7 +89,7 @@ AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, in
             if (ahead) /* the next pass's: see TILE */
                 _mm_prefetch(
                     (const char *)w + (((size_t)(o + 1 + t * stride) * in + i) << (2 - bf16)),
-                    _MM_HINT_T1);
+                    AHEAD(R));
         }
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_loadu_ps(x + (size_t)r * in + i);
@@ -66,9 +97,7 @@ AVX512F INLINE void block512(const void *xs, int in, const void *w, int bf16, in
                 acc[r][t] = _mm512_fmadd_ps(wv[t], xv, acc[r][t]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++)
-            y[(size_t)r * out + o + t * stride] = _mm512_reduce_add_ps(acc[r][t]);
+    store_sums(acc, R, T, y, out, o, stride);
 }
 
 /* block512 for bfloat16 weights and activations, 32 inputs a vector, pairs summed by vdpbf16ps */
@@ -76,7 +105,7 @@ AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf1
                                  int stride, int out, float *y, const int R, const int T) {
     const uint16_t *x = xs, *w = ws;
     const int ahead = R > 1 || astrai_ahead_at_one_row[BFLOAT16];
-    __m512 acc[4][TILE];
+    __m512 acc[ROWS][TILE];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
             acc[r][t] = _mm512_setzero_ps();
@@ -86,7 +115,7 @@ AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf1
             wv[t] = (__m512bh)_mm512_loadu_si512(w + (size_t)(o + t * stride) * in + i);
             if (ahead)
                 _mm_prefetch((const char *)(w + (size_t)(o + 1 + t * stride) * in + i),
-                             _MM_HINT_T1);
+                             AHEAD(R));
         }
         for (int r = 0; r < R; r++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)r * in + i);
@@ -94,9 +123,7 @@ AVX512BF16 INLINE void block_dot(const void *xs, int in, const void *ws, int bf1
                 acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xv);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++)
-            y[(size_t)r * out + o + t * stride] = _mm512_reduce_add_ps(acc[r][t]);
+    store_sums(acc, R, T, y, out, o, stride);
 }
 
 /* AVX2 has 16 vector registers: three rows' 12 accumulators, the three activation vectors and
@@ -134,12 +161,13 @@ typedef void (*Block)(const void *x, int in, const void *w, int bf16, int o, int
                                          int stride, int out, float *y) {                       \
         block(x, in, w, bf16, o, stride, out, y, R, T);                                         \
     }
-#define BLOCKS_OF(target, block)                                                                \
-    BLOCK_AS(target, block, 1, 1) BLOCK_AS(target, block, 2, 1) BLOCK_AS(target, block, 3, 1) \
-    BLOCK_AS(target, block, 4, 1) BLOCK_AS(target, block, 1, 4) BLOCK_AS(target, block, 2, 4)   \
-    BLOCK_AS(target, block, 3, 4) BLOCK_AS(target, block, 4, 4)
-BLOCKS_OF(AVX512F, block512)
-BLOCKS_OF(AVX512BF16, block_dot)
+#define BLOCKS_OF(target, block, T)                                                             \
+    BLOCK_AS(target, block, 1, T) BLOCK_AS(target, block, 2, T) BLOCK_AS(target, block, 3, T)   \
+    BLOCK_AS(target, block, 4, T) BLOCK_AS(target, block, 5, T) BLOCK_AS(target, block, 6, T)
+BLOCKS_OF(AVX512F, block512, 1)
+BLOCKS_OF(AVX512F, block512, 4)
+BLOCKS_OF(AVX512BF16, block_dot, 1)
+BLOCKS_OF(AVX512BF16, block_dot, 4)
 BLOCK_AS(AVX2, block256, 1, 1)
 BLOCK_AS(AVX2, block256, 2, 1)
 BLOCK_AS(AVX2, block256, 3, 1)
@@ -148,7 +176,7 @@ BLOCK_AS(AVX2, block256, 2, 4)
 BLOCK_AS(AVX2, block256, 3, 4)
 
 typedef struct {
-    Block blocks[2][4];
+    Block blocks[2][ROWS];
     int rows;         /* activation rows a block takes at most */
     size_t row_bytes; /* per input of an activation row: float32 or bfloat16 */
 } Path;
@@ -157,13 +185,15 @@ static const Path PATHS[4] = {
     [1] = {{{block256_1_1, block256_2_1, block256_3_1}, {block256_1_4, block256_2_4, block256_3_4}},
            3,
            sizeof(float)},
-    [2] = {{{block512_1_1, block512_2_1, block512_3_1, block512_4_1},
-            {block512_1_4, block512_2_4, block512_3_4, block512_4_4}},
-           4,
+    [2] = {{{block512_1_1, block512_2_1, block512_3_1, block512_4_1, block512_5_1, block512_6_1},
+            {block512_1_4, block512_2_4, block512_3_4, block512_4_4, block512_5_4, block512_6_4}},
+           ROWS,
            sizeof(float)},
-    [3] = {{{block_dot_1_1, block_dot_2_1, block_dot_3_1, block_dot_4_1},
-            {block_dot_1_4, block_dot_2_4, block_dot_3_4, block_dot_4_4}},
-           4,
+    [3] = {{{block_dot_1_1, block_dot_2_1, block_dot_3_1, block_dot_4_1, block_dot_5_1,
+             block_dot_6_1},
+            {block_dot_1_4, block_dot_2_4, block_dot_3_4, block_dot_4_4, block_dot_5_4,
+             block_dot_6_4}},
+           ROWS,
            sizeof(uint16_t)},
 };
 
