@@ -23,7 +23,7 @@ from astrai.timing import best_of_rounds, pass_seconds
 
 SURE_ROWS = 16  # rows the kernel led or matched torch's products at on every CPU measured
 FEW_ROWS = 4  # the same for its bfloat16 dot products (AVX-512 BF16, no AMX)
-TIMED_ROWS = (16, 64)  # more rows a decode step may have: 16 requests, 64; a prompt's are more
+TIMED_ROWS = (16, 32, 64)  # more rows a decode step may have (requests); a prompt's are more
 TIMED_BYTES = 64 << 20  # weights the timing streams: more than most caches, as a step reads them
 PROMPT_ROWS = 512  # a prompt chunk's rows (the Engine's prefill_chunk): prompt_product's timing
 
@@ -32,12 +32,14 @@ PROMPT_ROWS = 512  # a prompt chunk's rows (the Engine's prefill_chunk): prompt_
 def kernel_rows(dtype: torch.dtype) -> int:
     """Rows up to which the kernel runs: it streams the weights once for any number of rows.
     Longer inputs (prompt chunks), where arithmetic, not reading the weights, is the cost, go to
-    torch's product on the same tensor. How far the kernel leads differs by CPU, so past what
-    held everywhere it is timed against torch's product on the same weights at each of
-    TIMED_ROWS, once a process. In float32, and in bfloat16 where the kernel has AMX tiles
-    (astrai/kernels/amx.c), it matched or beat torch's products at 16 rows on every CPU
+    the prompt's product on the same tensor (prompt_product). How far the kernel leads differs
+    by CPU, so past what held everywhere it is timed against that product on the same weights
+    at each of TIMED_ROWS, once a process. In float32, and in bfloat16 where the kernel has AMX
+    tiles (astrai/kernels/amx.c), it matched or beat torch's products at 16 rows on every CPU
     measured; at 64 rows, in float32, it led torch's unpacked product 1.1-2x on a 2-core AMD
-    Zen 4 (where torch's float32 product is MKL's). Its bfloat16 dot products without AMX are
+    Zen 4 (where torch's float32 product is MKL's), and on a 2-core AMD Zen 5 it led oneDNN's
+    on the same tensor at 32 (the 0.5B shape's matrices: 274-309 against 246-273 GFLOP/s) but
+    trailed it at 64 (236-312 against 312-345). Its bfloat16 dot products without AMX are
     bound by arithmetic past four rows on a 2-core Intel Xeon, where torch's products (oneDNN,
     on AMX) were 2-3x faster at 16, but led torch's 1.3-2.2x on the AMD Zen 4."""
     rows = sure_rows(dtype)
@@ -65,10 +67,11 @@ def _seconds(products: dict, rows: int, dtype: torch.dtype, copies: int, shape=(
 
 
 def _kernel_leads_at(rows: int, dtype: torch.dtype, shape=(4096, 1024)) -> bool:
-    """Whether the kernel multiplies `rows` rows by matrices of `shape` faster than torch's
-    F.linear on the same tensors, streamed from memory one after the other."""
+    """Whether the kernel multiplies `rows` rows by matrices of `shape` faster than the
+    prompt's product (prompt_product) on the same tensors, streamed from memory one after the
+    other."""
     copies = max(TIMED_BYTES // (shape[0] * shape[1] * dtype.itemsize), 1)
-    products = {"kernel": gemv.float_product, "torch": _bound(F.linear)}
+    products = {"kernel": gemv.float_product, "torch": _bound(prompt_product(dtype))}
     best = _seconds(products, rows, dtype, copies, shape)
     return best["kernel"] < best["torch"]
 

@@ -305,8 +305,8 @@ def test_a_gemv_matrix_hands_prompts_and_gradients_to_torch():
 
 @pytest.mark.parametrize("kernel_works", [0, 2])
 def test_the_rows_the_kernel_takes_are_those_it_leads_at(monkeypatch, kernel_works):
-    # a kernel slower than torch's product at 16 rows (here: torch's product twice) hands them
-    # to torch; one faster (no work at all) keeps them
+    # a kernel slower than the prompt's product at 16 rows (here: that product twice) hands
+    # them to it; one faster (no work at all) keeps them
     path(1)
     from astrai.infer import float_gemv
 
@@ -314,6 +314,7 @@ def test_the_rows_the_kernel_takes_are_those_it_leads_at(monkeypatch, kernel_wor
         return lambda x: [torch.nn.functional.linear(x, w) for _ in range(kernel_works)]
 
     monkeypatch.setattr(gemv, "float_product", product)
+    monkeypatch.setattr(float_gemv, "prompt_product", lambda dtype: torch.nn.functional.linear)
     leads = float_gemv._kernel_leads_at(16, torch.bfloat16, shape=(2048, 1024))
     assert leads == (kernel_works == 0)
 
