@@ -26,12 +26,23 @@ from astrai.timing import best_of_rounds, pass_seconds
 log = logging.getLogger("astrai.infer")
 
 EMBED_KEY = "model.embed_tokens.weight"
+LAYERS = "model.layers."  # the keys of the layers' weights begin so
 QUANTIZE = ("int8", "int4")
 SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
 TUNE_ROWS = (1, 16)  # batch sizes the choices are timed at: one stream, and a busy server
 DENSE_ROWS = (64, 256, 1024)  # int4: the prompt-sized inputs the dense road is timed at
 DENSE_SAMPLE = 4096  # output rows it is timed on at most
 SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fastest_int8)
+# A decode step runs its layers in one C call where every layer matrix is one of our C
+# products (astrai.infer.fused_layers: the float ones in these layouts), which saves the Python
+# around each layer's ops: ~120 us a layer on a 2-core AMD Zen 5 (a 0.5B float32 step at one row,
+# 2.9 ms over 24 layers), ~140 on a 2-core Intel Xeon. So the layers' matrices all take one of
+# these where, at each row count timed, that costs a layer less than LAYER_SECONDS over their
+# fastest layouts. On the AMD Zen 5 the 0.5B bfloat16 layers with the down projections packed for
+# oneDNN (1.3-1.5x as fast so at 16 rows alone, ~85 us a layer) took a step 1.13x as long at one
+# row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x.
+ONE_CALL = ("gemv", "rows")
+LAYER_SECONDS = 100e-6
 
 
 def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[str]:
@@ -48,41 +59,79 @@ def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[s
 
 
 @functools.cache
-def _fastest_layout(
+def _layout_seconds(
     out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
-) -> str:
-    """The layout of LAYOUTS, among those that run here, in which [out, in] matrices multiply
-    nearest the fastest at every row count. Which one wins differs from machine to machine, so
-    it is measured, the way a decode step reads the matrices (streamed one after the other,
-    not one read again from cache): a pass over `copies` matrices of the shape at each of
-    TUNE_ROWS rows, best of three alternating rounds. The choice is the layout whose worst
-    ratio to the fastest at any of those row counts is least: one a few percent behind at 16
-    rows but a quarter ahead at one row serves both a busy server and a single stream."""
+) -> dict[int, dict[str, float]]:
+    """{rows: {layout of LAYOUTS that runs here: seconds a matrix}} for [out, in] matrices at
+    each of TUNE_ROWS rows. Which layout wins differs from machine to machine, so it is
+    measured, the way a decode step reads the matrices (streamed one after the other, not one
+    read again from cache): a pass over `copies` matrices of the shape, best of three
+    alternating rounds."""
     plain = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
     names = runnable(dtype, (out_features, in_features))
     candidates = {
         name: [functools.partial(project, weight=LAYOUTS[name](w)) for w in plain] for name in names
     }
-    timings = {}
+    seconds = {}
     for rows in TUNE_ROWS:
         x = torch.full((rows, in_features), 0.5, dtype=dtype)
-        timings[rows] = best_of_rounds(candidates, functools.partial(pass_seconds, x=x))
-    behind = {name: max(t[name] / min(t.values()) for t in timings.values()) for name in candidates}
-    choice = min(behind, key=behind.get)
-    shown = "; ".join(
-        f"{rows} rows: " + ", ".join(f"{name} {t * 1e3:.3f}" for name, t in times.items())
-        for rows, times in timings.items()
-    )
+        passes = best_of_rounds(candidates, functools.partial(pass_seconds, x=x))
+        seconds[rows] = {name: t / copies for name, t in passes.items()}
     log.info(
-        "%s %dx%d (x%d): %s layout (ms a pass, %s)",
+        "%s %dx%d (x%d): ms a pass, %s",
         str(dtype).removeprefix("torch."),
         out_features,
         in_features,
         copies,
-        choice,
-        shown,
+        "; ".join(
+            f"{rows} rows: "
+            + ", ".join(f"{name} {t * copies * 1e3:.3f}" for name, t in times.items())
+            for rows, times in seconds.items()
+        ),
     )
+    return seconds
+
+
+def _least_behind(seconds: dict[int, dict[str, float]], names) -> str:
+    """The one of `names` whose worst ratio to the fastest layout at any of the row counts of
+    `seconds` is least."""
+    return min(names, key=lambda name: max(t[name] / min(t.values()) for t in seconds.values()))
+
+
+@functools.cache
+def _fastest_layout(
+    out_features: int, in_features: int, dtype: torch.dtype, copies: int, threads: int
+) -> str:
+    """The layout of LAYOUTS in which [out, in] matrices multiply nearest the fastest at every
+    row count (_layout_seconds): the one whose worst ratio to the fastest at any of TUNE_ROWS is
+    least, since one a few percent behind at 16 rows but a quarter ahead at one row serves both
+    a busy server and a single stream."""
+    seconds = _layout_seconds(out_features, in_features, dtype, copies, threads)
+    choice = _least_behind(seconds, seconds[TUNE_ROWS[0]])
+    kind = str(dtype).removeprefix("torch.")
+    log.info("%s %dx%d: %s layout", kind, out_features, in_features, choice)
     return choice
+
+
+def _one_call_layouts(per_layer: dict, timed: dict) -> dict:
+    """{kind: its layout of ONE_CALL} for the layers' matrix kinds (`per_layer`: {(shape,
+    dtype): matrices of it a layer}; `timed`: {kind: _layout_seconds' arguments}) where that
+    costs a layer at most LAYER_SECONDS over their fastest layouts at each of TUNE_ROWS rows;
+    else {}."""
+    seconds = {kind: _layout_seconds(*timed[kind]) for kind in per_layer}
+    ours = {}
+    for kind, times in seconds.items():
+        if not (names := [name for name in ONE_CALL if name in times[TUNE_ROWS[0]]]):
+            return {}
+        ours[kind] = _least_behind(times, names)
+    for rows in TUNE_ROWS:
+        lost = sum(
+            n * (seconds[kind][rows][ours[kind]] - min(seconds[kind][rows].values()))
+            for kind, n in per_layer.items()
+        )
+        if lost > LAYER_SECONDS:
+            return {}
+    return ours
 
 
 @functools.cache
@@ -215,17 +264,30 @@ def _is_matrix(key: str, w) -> bool:
     )
 
 
-def _layouts(matrices: list[torch.Tensor]) -> dict[tuple[torch.Size, torch.dtype], str]:
-    """{(shape, dtype): fastest layout} for the float CPU matrices among these."""
-    kinds = Counter((w.shape, w.dtype) for w in matrices if _is_float_cpu(w))
+def _layouts(matrices: Params) -> dict[tuple[torch.Size, torch.dtype], str]:
+    """{(shape, dtype): fastest layout} for the float CPU matrices among these {key: matrix},
+    the layers' all in ONE_CALL where that costs a layer at most LAYER_SECONDS
+    (_one_call_layouts)."""
+    floats = {key: w for key, w in matrices.items() if _is_float_cpu(w)}
+    kinds = Counter((w.shape, w.dtype) for w in floats.values())
     threads = torch.get_num_threads()
     # enough matrices to stream as the model does, within SWEEP_BYTES of scratch each
-    return {
-        (shape, dtype): _fastest_layout(
-            *shape, dtype, min(n, max(1, SWEEP_BYTES // (dtype.itemsize * shape.numel()))), threads
+    timed = {
+        (shape, dtype): (
+            *shape,
+            dtype,
+            min(n, max(1, SWEEP_BYTES // (dtype.itemsize * shape.numel()))),
+            threads,
         )
         for (shape, dtype), n in kinds.items()
     }
+    fastest = {kind: _fastest_layout(*args) for kind, args in timed.items()}
+    in_layers = Counter((w.shape, w.dtype) for key, w in floats.items() if key.startswith(LAYERS))
+    layers = {key.removeprefix(LAYERS).split(".")[0] for key in floats if key.startswith(LAYERS)}
+    per_layer = {kind: n / len(layers) for kind, n in in_layers.items()}
+    if all(fastest[kind] in ONE_CALL for kind in per_layer):
+        return fastest
+    return fastest | _one_call_layouts(per_layer, timed)
 
 
 def _is_float_cpu(w) -> bool:
@@ -297,7 +359,7 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
             for key, w in matrices.items()
         }
     else:
-        layouts = _layouts(list(matrices.values()))
+        layouts = _layouts(matrices)
         for key, w in matrices.items():
             if _is_float_cpu(w):
                 params[key] = LAYOUTS[layouts[w.shape, w.dtype]](w)

@@ -32,6 +32,7 @@ def fresh_choices():
     after it: both are cached for the process, and the test changes what they read."""
     caches = [
         support._probe,
+        prepare._layout_seconds,
         prepare._fastest_layout,
         prepare._fastest_int8,
         prepare._fastest_int4,

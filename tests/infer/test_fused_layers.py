@@ -217,6 +217,7 @@ def test_plain_float_matrices_run_our_float_product(dtype, layout, monkeypatch):
     # where torch's product times faster alone), run our float product in the call: not
     # torch's bits, its roundings
     monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: layout)
+    monkeypatch.setattr(prepare, "_one_call_layouts", lambda *layers: {})
     cfg = MODELS["variants"]
     params = prepare_params({k: v.to(dtype) for k, v in ai.init_params(cfg, seed=3).items()})
     down = params["model.layers.0.mlp.down_proj.weight"]
@@ -234,6 +235,7 @@ def test_plain_float_matrices_run_our_float_product(dtype, layout, monkeypatch):
 def test_matrices_stored_by_columns_are_copied_within_a_budget(monkeypatch):
     # past the budget for copies [out, in] the layers run in Python
     monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: "columns")
+    monkeypatch.setattr(prepare, "_one_call_layouts", lambda *layers: {})
     cfg, dtype = MODELS["plain"], torch.float32
     params = prepare_params(ai.init_params(cfg, seed=3))
     layer = sum(params[f"model.layers.0.{m}.weight"].nbytes for m in fused.MATRICES.values())
@@ -244,3 +246,38 @@ def test_matrices_stored_by_columns_are_copied_within_a_budget(monkeypatch):
         ran.clear()
         decode(params, cfg, dtype, 1)
         assert ran and all(r == in_c for r in ran)
+
+
+@pytest.mark.parametrize("lost", [0.5, 2.0])
+def test_a_layers_matrices_keep_to_the_one_call_where_it_pays(lost, monkeypatch, fresh_choices):
+    # the down projections and the head multiply nearest the fastest packed for oneDNN, every
+    # other matrix in our kernel's layout; the down projections in ours lose `lost` times what
+    # one call saves a layer at 16 rows (and win at one): below it the layers all take ours and run in
+    # one call, past it the down projections are packed and the layers run in Python; the
+    # head, outside the call, takes its own fastest either way
+    if reason := products_here(torch.float32)["packed"]:
+        pytest.skip(f"no packed float32 layout: {reason}")
+    cfg = MODELS["plain"]
+    down, head = (cfg.hidden_size, cfg.intermediate_size), (cfg.vocab_size, cfg.hidden_size)
+    saved = prepare.LAYER_SECONDS
+
+    def seconds(out_features, in_features, *_):
+        if (out_features, in_features) == down:
+            return {
+                1: {"packed": 1.1 * saved, "gemv": saved},
+                16: {"packed": saved, "gemv": saved * (1 + lost)},
+            }
+        if (out_features, in_features) == head:
+            return {rows: {"packed": saved, "gemv": 2 * saved} for rows in (1, 16)}
+        return {rows: {"packed": 2 * saved, "gemv": saved} for rows in (1, 16)}
+
+    monkeypatch.setattr(prepare, "_layout_seconds", seconds)
+    params = prepare_params(ai.init_params(cfg, seed=3))
+    pays = lost < 1
+    down_kernel = params["model.layers.0.mlp.down_proj.weight"].kernel
+    assert down_kernel == ("gemv" if pays else "onednn")
+    assert params["model.layers.0.mlp.gate_up_proj.weight"].kernel == "gemv"
+    assert params["lm_head.weight"].kernel == "onednn"
+    ran = counted(monkeypatch)
+    decode(params, cfg, torch.float32, 1, steps=2)
+    assert ran and all(r == pays for r in ran)

@@ -139,6 +139,7 @@ def test_prepared_params_give_the_same_logits(kind, dtype, layout, monkeypatch):
     if reason := products_here(dtype)[layout]:
         pytest.skip(f"the {layout} layout of {dtype} matrices: {reason}")
     monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape_and_kind: layout)
+    monkeypatch.setattr(prepare, "_one_call_layouts", lambda *layers: {})
     params, cfg = make_model(kind)
     params = {k: v.to(dtype) for k, v in params.items()}
     prepared = prepare_params(params)
