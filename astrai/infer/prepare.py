@@ -40,8 +40,10 @@ SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fast
 # these where, at each row count timed, that costs a layer less than LAYER_SECONDS over their
 # fastest layouts. On the AMD Zen 5 the 0.5B bfloat16 layers with the down projections packed for
 # oneDNN (1.3-1.5x as fast so at 16 rows alone, ~85 us a layer) took a step 1.13x as long at one
-# row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x.
-ONE_CALL = ("gemv", "rows")
+# row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x. (The call takes
+# matrices stored by columns as a copy, within its budget for copies: a small model's. A model
+# the call does not take at all loses at most LAYER_SECONDS a layer: the weights do not say.)
+ONE_CALL = ("gemv", "rows", "columns")
 LAYER_SECONDS = 100e-6
 
 
