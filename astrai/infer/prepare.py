@@ -41,9 +41,10 @@ SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fast
 # the row counts timed (a single row count's figure for a matrix wavers by a few tens of us). On
 # the AMD Zen 5 the 0.5B bfloat16 layers with the down projections packed for oneDNN (1.3-1.5x as
 # fast so at 16 rows alone, 80-115 us a layer, and a little slower at one row) took a step 1.13x
-# as long at one row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x. (The call takes
-# matrices stored by columns as a copy, within its budget for copies: a small model's. A model
-# the call does not take at all loses at most LAYER_SECONDS a layer: the weights do not say.)
+# as long at one row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x.
+# (The call takes matrices stored by columns as a copy, within its budget for copies: a small
+# model's. A model the call does not take at all loses at most LAYER_SECONDS a layer: the
+# weights alone do not say which models it takes.)
 ONE_CALL = ("gemv", "rows", "columns")
 LAYER_SECONDS = 120e-6
 
