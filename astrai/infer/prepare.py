@@ -41,12 +41,15 @@ SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fast
 # the row counts timed (a single row count's figure for a matrix wavers by a few tens of us). On
 # the AMD Zen 5 the 0.5B bfloat16 layers with the down projections packed for oneDNN (1.3-1.5x as
 # fast so at 16 rows alone, 80-115 us a layer, and a little slower at one row) took a step 1.13x
-# as long at one row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x.
+# as long at one row and 1.04x at 16 as all of them in one call; in float32 1.07x and 1.01x. The
+# 1B shape's bfloat16 layers, whose matrices the timings put ~140 us a layer behind on
+# average in our layouts, ran a step 1.06x as fast at one row and 1.07x at 16 in one call, so the
+# call saves more than its Python alone once the layers are larger.
 # (The call takes matrices stored by columns as a copy, within its budget for copies: a small
 # model's. A model the call does not take at all loses at most LAYER_SECONDS a layer: the
 # weights alone do not say which models it takes.)
 ONE_CALL = ("gemv", "rows", "columns")
-LAYER_SECONDS = 120e-6
+LAYER_SECONDS = 200e-6
 
 
 def runnable(dtype: torch.dtype, shape: tuple[int, int], device="cpu") -> list[str]:
