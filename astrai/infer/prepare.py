@@ -287,9 +287,10 @@ def _layouts(matrices: Params) -> dict[tuple[torch.Size, torch.dtype], str]:
         for (shape, dtype), n in kinds.items()
     }
     fastest = {kind: _fastest_layout(*args) for kind, args in timed.items()}
-    in_layers = Counter((w.shape, w.dtype) for key, w in floats.items() if key.startswith(LAYERS))
-    layers = {key.removeprefix(LAYERS).split(".")[0] for key in floats if key.startswith(LAYERS)}
-    per_layer = {kind: n / len(layers) for kind, n in in_layers.items()}
+    in_layers = [key for key in floats if key.startswith(LAYERS)]
+    layers = len({key.removeprefix(LAYERS).split(".")[0] for key in in_layers})
+    kinds_in_layers = Counter((floats[key].shape, floats[key].dtype) for key in in_layers)
+    per_layer = {kind: n / layers for kind, n in kinds_in_layers.items()}
     if all(fastest[kind] in ONE_CALL for kind in per_layer):
         return fastest
     return fastest | _one_call_layouts(per_layer, timed)
