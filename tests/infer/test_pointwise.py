@@ -5,12 +5,16 @@ fit; and the layers take them in inference and not in training."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from numerics import assert_close
 
-from astrai.kernels import build, pointwise
+from astrai.kernels import build, gemv, pointwise
 from astrai.model import layers
 
 pytestmark = pytest.mark.skipif(
@@ -68,6 +72,35 @@ def test_gated_activation_reads_the_halves_of_a_fused_product(dtype, act):
     with torch.no_grad():
         out = pointwise.gated_activation(act, gate, up)
     check(out, layers.ACTIVATIONS[act](gate) * up, roundings=64)
+
+
+HELD_TO_AVX2 = """
+import sys, torch
+from astrai.kernels import pointwise
+fused = torch.load(sys.argv[1])
+gate, up = fused.chunk(2, dim=-1)
+with torch.no_grad():
+    torch.save({act: pointwise.gated_activation(act, gate, up) for act in ACTS}, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(gemv.isa() != 2, reason="the 16-lane row is AVX-512's")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_16_lane_row_gives_the_8_lane_rows_bits(dtype, tmp_path):
+    # each lane takes the same steps in both, so a machine's two paths agree to the bit; 200
+    # values a row: twelve times 16, then 8 by the 8-lane row
+    acts = list(pointwise.ACT_CODES)
+    fused = randn(5, 2 * 200, dtype=dtype, seed=8, scale=6.0)
+    torch.save(fused, tmp_path / "in.pt")
+    code = f"ACTS = {acts!r}" + HELD_TO_AVX2
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    args = [sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(args, env=env, check=True)
+    held = torch.load(tmp_path / "out.pt")
+    gate, up = fused.chunk(2, dim=-1)
+    with torch.no_grad():
+        for act in acts:
+            assert torch.equal(pointwise.gated_activation(act, gate, up), held[act]), act
 
 
 def test_extremes_stay_finite_and_nan_stays_nan():
