@@ -3,13 +3,11 @@
 glibc's malloc returns a freed block above its mmap threshold to the OS at once, and trims the
 heap's free top past its trim threshold; both thresholds follow the largest block freed so far,
 so a run of temporaries each larger than the last (a prefill's activations) maps and zeroes
-fresh pages every time. Taking every block from the heap (no block mapped alone) and raising
-the trim threshold keeps those pages with the process (the measurements are in
-docs/inference.md, "Measurements behind the code").
+fresh pages every time. Raising both thresholds keeps those pages with the process (the
+measurements are in docs/inference.md, "Measurements behind the code").
 
-The price is memory: what the process frees stays with it, to be reused, but for the heap's
-free top past 1 GiB. On threads other than the main one a block larger than a thread heap (64
-MiB) is still mapped and unmapped each time: glibc maps it when no heap can hold it.
+The price is memory: up to 1 GiB freed by the process stays with it, to be reused. Blocks above
+32 MiB are still mapped and unmapped each time (glibc allows no higher threshold).
 
 prepare_params turns this on once the prepared weights are allocated, so that the weights get
 pages of their own rather than heap blocks between temporaries; train_step turns it on before
@@ -24,21 +22,17 @@ import platform
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit machines
 TRIM_THRESHOLD = 1 << 30
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Have the C allocator keep freed blocks for reuse, once per process. True where it took;
-    False off glibc (musl, macOS, Windows), where nothing changes."""
+    """Have the C allocator keep freed blocks up to 32 MiB for reuse, once per process. True
+    where it took; False off glibc (musl, macOS, Windows), where nothing changes."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
-    settings = (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-        (M_MMAP_MAX, 0),
-        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
-    return all([bool(libc.mallopt(name, value)) for name, value in settings])
