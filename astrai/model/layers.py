@@ -130,8 +130,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, ap
 # at most 16 MiB: under glibc's 32 MiB mmap threshold, a larger block is mapped and zeroed afresh
 # each time it is made (astrai/infer/allocator.py), and a piece this size stays in a 32 MiB L3
 # for the activation and the down projection. A 4 x 512 float32 prefill of the 0.5B shape (80
-# MiB a layer whole) ran 1.12x as fast in 16 MiB pieces, 1.05x in 31 MiB ones, 0.92x in 4 MiB
-# (AMD Zen 5). bfloat16 prompts stay whole: the same pieces ran them 0.96-0.98x as fast.
+# MiB a layer whole) ran 1.11-1.12x as fast in 16 MiB pieces, 1.05x in 31 MiB ones, 1.03x in 4
+# MiB (AMD Zen 5). bfloat16 prompts stay whole: the same pieces ran them 0.96-0.98x as fast.
 PIECE_BYTES = 16 << 20
 
 
@@ -160,7 +160,7 @@ def _row_pieces(params: Params, prefix: str, x: torch.Tensor, lora) -> int:
         return 1
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return 1
-    return -(-(x.numel() // x.shape[-1]) * weight.shape[0] * 4 // PIECE_BYTES)
+    return -(-(x.numel() // x.shape[-1]) * weight.shape[0] * x.element_size() // PIECE_BYTES)
 
 
 def gated_activation(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
