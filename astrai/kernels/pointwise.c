@@ -78,19 +78,17 @@ AVX2 static void gate_row(const void *gate, const void *up, size_t in, size_t at
     }
 }
 
-#define AVX512 __attribute__((target("avx512f,fma")))
-
 /* load8, round_bf16, store8, sigmoid8 and gelu8 16 lanes wide: the same steps a lane, so the
  * same bits as the 8-lane row (a prompt's gated activation 1.9x as fast: 4.7 -> 2.5 ms for
  * 2,048 x 4,864 bfloat16 values on 2 AMD Zen 5 cores). */
-AVX512 INLINE __m512 load16(const void *p, int bf16, size_t i) {
+AVX512_WORDS INLINE __m512 load16(const void *p, int bf16, size_t i) {
     if (!bf16)
         return _mm512_loadu_ps((const float *)p + i);
     __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-AVX512 INLINE __m512 round_bf16_16(__m512 v) {
+AVX512_WORDS INLINE __m512 round_bf16_16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
@@ -99,7 +97,7 @@ AVX512 INLINE __m512 round_bf16_16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000)));
 }
 
-AVX512 INLINE void store16(void *p, int bf16, size_t i, __m512 v) {
+AVX512_WORDS INLINE void store16(void *p, int bf16, size_t i, __m512 v) {
     if (!bf16) {
         _mm512_storeu_ps((float *)p + i, v);
         return;
@@ -108,22 +106,22 @@ AVX512 INLINE void store16(void *p, int bf16, size_t i, __m512 v) {
     _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(high));
 }
 
-AVX512 INLINE __m512 sigmoid16(__m512 g) {
+AVX512_WORDS INLINE __m512 sigmoid16(__m512 g) {
     __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     return _mm512_mask_blend_ps(negative, inv, _mm512_mul_ps(e, inv));
 }
 
-AVX512 INLINE __m512 gelu16(__m512 g) {
+AVX512_WORDS INLINE __m512 gelu16(__m512 g) {
     __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
     __m512 z = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, g);
     return _mm512_mul_ps(g, sigmoid16(_mm512_mul_ps(z, _mm512_set1_ps(1.5957691216f))));
 }
 
 /* gate_row, 16 values at a time; the last 8 (n an odd multiple of 8) by gate_row */
-AVX512 static void gate_row16(const void *gate, const void *up, size_t in, size_t at, int n,
-                              int bf16, int act, void *out) {
+AVX512_WORDS static void gate_row16(const void *gate, const void *up, size_t in, size_t at,
+                                    int n, int bf16, int act, void *out) {
     int i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 g = load16(gate, bf16, in + i);
