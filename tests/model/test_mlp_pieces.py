@@ -26,7 +26,9 @@ def pieces(monkeypatch):
     monkeypatch.setattr(layers, "PIECE_BYTES", 8 * 2 * MLP * 4)
     ran = []
     real = layers._gated_mlp
-    monkeypatch.setattr(layers, "_gated_mlp", lambda *a: ran.append(a[2].numel() // HIDDEN) or real(*a))
+    monkeypatch.setattr(
+        layers, "_gated_mlp", lambda *a: ran.append(a[2].numel() // HIDDEN) or real(*a)
+    )
     return ran
 
 
