@@ -160,7 +160,8 @@ def _row_pieces(params: Params, prefix: str, x: torch.Tensor, lora) -> int:
         return 1
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return 1
-    return -(-(x.numel() // x.shape[-1]) * weight.shape[0] * x.element_size() // PIECE_BYTES)
+    rows, row_bytes = x.numel() // x.shape[-1], weight.shape[0] * x.element_size()
+    return -(-rows * row_bytes // PIECE_BYTES)
 
 
 def gated_activation(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
