@@ -8,6 +8,7 @@ import torch
 
 from astrai.infer.float_gemv import gemv_matrix
 from astrai.infer.packed import pack
+from astrai.infer.panels import panel_matrix
 
 
 def _transposed(w: torch.Tensor) -> torch.Tensor:
@@ -16,5 +17,12 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
 
 
 # kept [out, in]; stored [in, out]-contiguous; packed for oneDNN (a PackedMatrix); kept [out, in]
-# for our C kernel at few rows (a GemvMatrix)
-LAYOUTS = {"rows": lambda w: w, "columns": _transposed, "packed": pack, "gemv": gemv_matrix}
+# for our C kernel at few rows (a GemvMatrix); in panels of 16 output rows for our C kernel at
+# every row count (a PanelMatrix)
+LAYOUTS = {
+    "rows": lambda w: w,
+    "columns": _transposed,
+    "packed": pack,
+    "gemv": gemv_matrix,
+    "panels": panel_matrix,
+}

@@ -48,7 +48,7 @@ SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fast
 # (The call takes matrices stored by columns as a copy, within its budget for copies: a small
 # model's. A model the call does not take at all loses at most LAYER_SECONDS a layer: the
 # weights alone do not say which models it takes.)
-ONE_CALL = ("gemv", "rows", "columns")
+ONE_CALL = ("gemv", "panels", "rows", "columns")
 LAYER_SECONDS = 200e-6
 
 
@@ -333,7 +333,9 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     k and v into `qkv_proj`, gate and up into `gate_up_proj`. Each float32 or bfloat16 CPU
     matrix takes the layout of LAYOUTS that multiplies fastest on this machine (measured once
     per shape and cached, among those that run here: astrai.infer.support): kept [out, in],
-    stored [in, out]-contiguous, or packed for oneDNN (a PackedMatrix). With `quantize="int8"`
+    stored [in, out]-contiguous, packed for oneDNN (a PackedMatrix), kept [out, in] for our
+    kernel at a decode step's rows (a GemvMatrix) or in panels for our panel kernel (a
+    PanelMatrix). With `quantize="int8"`
     the matrices of the layers and the head become Int8Matrix values (8-bit weights, one scale
     per output channel, the fastest int8 product that runs here; where none runs for a shape,
     the error names each product and why). With `quantize="int4"` they become Int4Matrix values

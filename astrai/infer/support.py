@@ -38,6 +38,9 @@ CPU_NEEDS = {
     (torch.int4, "gemv"): (("avx2", "fma"),),
     (torch.float32, "gemv"): (("avx2", "fma"),),
     (torch.bfloat16, "gemv"): (("avx2", "fma"),),
+    # our panel kernel: AVX-512, with BF16 dot products for bfloat16 matrices
+    (torch.float32, "panels"): (("avx512f", "avx512bw", "avx512vl", "avx512dq"),),
+    (torch.bfloat16, "panels"): (("avx512_bf16",),),
 }
 # torch's CPU kernel of the weight-only product reads each activation row in whole vectors (16
 # floats with AVX-512, 8 with AVX2) and runs past the end of a row that is not a multiple of
@@ -47,8 +50,10 @@ IN_FEATURES_MULTIPLE = {
     # ours reads whole vectors of 16 too, and refuses other widths
     (torch.float32, "gemv"): 16,
     (torch.bfloat16, "gemv"): 16,
+    (torch.float32, "panels"): 16,
+    (torch.bfloat16, "panels"): 16,
 }
-OUR_KERNEL = "gemv"  # the C products of astrai/kernels (float, 8- and 4-bit), where they build
+OUR_KERNELS = ("gemv", "panels")  # the C products of astrai/kernels, where they build
 PROBE_SHAPE = (16, 32)  # the [out, in] of the tiny product each one is tried on
 
 
@@ -86,14 +91,14 @@ def _machine_refuses(dtype, name: str, device: torch.device) -> str | None:
     if needs and flags and not any(flags.issuperset(group) for group in needs):
         wanted = " or ".join("+".join(group) for group in needs)
         return f"needs the CPU feature {wanted}, which this CPU lacks"
-    if name == OUR_KERNEL and (reason := _our_kernel_absent(device)):
+    if name in OUR_KERNELS and (reason := _our_kernel_absent(device)):
         return reason
     return _probe(dtype, name, str(device))
 
 
 def _our_kernel_absent(device: torch.device) -> str | None:
-    """Why our C products (named OUR_KERNEL among the 8- and 4-bit ones) do not run on
-    `device`, or None: they run on the CPU, where they built."""
+    """Why our C products (named OUR_KERNELS among the layouts and the 8- and 4-bit products)
+    do not run on `device`, or None: they run on the CPU, where they built."""
     return "our C kernel runs on the CPU only" if device.type != "cpu" else why_absent()
 
 

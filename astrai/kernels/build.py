@@ -31,7 +31,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "gemv.c", "gemm.c", "float_gemv.c", "amx.c", "attention.c", "prompt_attention.c",
-        "pointwise.c", "cross_entropy.c", "decode_layers.c",
+        "pointwise.c", "cross_entropy.c", "decode_layers.c", "panels.c",
     )
 )  # fmt: skip
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h", "quantized.h"))
@@ -104,6 +104,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_float_gemv_isa.argtypes = []
     lib.astrai_float_gemv.restype = i
     lib.astrai_float_gemv.argtypes = [p, i, i, p, i, i, p, i, i]
+    lib.astrai_panel_product.restype = i
+    lib.astrai_panel_product.argtypes = [p, i, i, p, i, i, p, i]
     lib.astrai_one_row_ahead.restype = i
     lib.astrai_one_row_ahead.argtypes = [i, i]
     lib.astrai_paged_attention.restype = i

@@ -26,7 +26,7 @@ def activation_block(group: int) -> int:
 
 # The products' kinds, as decode_layers.c names them: a run of `_call` carries its kind, its
 # weights' pointers and its group (INT4) as `run.spec`, for a caller that calls it from C.
-FLOAT32, BFLOAT16, INT8, INT4 = range(4)
+FLOAT32, BFLOAT16, INT8, INT4, PANEL_FLOAT32, PANEL_BFLOAT16 = range(6)
 
 ERRORS = {-1: "a shape it does not take", -2: "out of memory", -3: "an instruction set missing"}
 
@@ -178,6 +178,16 @@ def float_product(weight: torch.Tensor):
     shape = tuple(weight.shape)
     bf16 = weight.dtype == torch.bfloat16
     return _call(kernel, "float", shape, (weight,), (int(bf16),), BFLOAT16 if bf16 else FLOAT32)
+
+
+def panel_product(panels: torch.Tensor, shape: tuple[int, int]):
+    """run(x, threads=None): x [..., in] @ W.T in float32 for W of `shape` [out, in], float32 or
+    bfloat16, laid out by panels.py (panels.c: in a multiple of 16)."""
+    kernel = _library().astrai_panel_product
+    bf16 = panels.dtype == torch.bfloat16
+    kind = PANEL_BFLOAT16 if bf16 else PANEL_FLOAT32
+    one_path = lambda *args: kernel(*args[:-1])  # noqa: E731 (it has no isa to choose)
+    return _call(one_path, "panel", shape, (panels,), (int(bf16),), kind)
 
 
 def int8_product(weight, row_scale, shape: tuple[int, int]):

@@ -8,7 +8,8 @@
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
-enum { FLOAT32, BFLOAT16, INT8, INT4 }; /* the products' kinds (gemv.py's constants) */
+/* the products' kinds (gemv.py's constants): the first four float_gemv.c's and gemv.c's */
+enum { FLOAT32, BFLOAT16, INT8, INT4, PANEL_FLOAT32, PANEL_BFLOAT16 };
 
 /* Whether a product's pass at one activation row asks for the weights ahead in software, per
  * kind (gemv.c): passes at more rows always ask. */

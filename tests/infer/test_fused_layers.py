@@ -48,11 +48,14 @@ PRODUCTS = {  # how prepare_params is told to lay out every matrix, by quantize
 }
 
 
-def model(kind: str, dtype: torch.dtype, quantize, monkeypatch):
-    """Prepared params of the model `kind`, every matrix multiplied by our C product."""
-    if quantize is None and (reason := products_here(dtype)["gemv"]):
-        pytest.skip(f"the float C product of {dtype}: {reason}")
+def model(kind: str, dtype: torch.dtype, quantize, monkeypatch, layout: str = "gemv"):
+    """Prepared params of the model `kind`, every matrix multiplied by our C product (float
+    matrices in `layout`, "gemv" or "panels")."""
+    if quantize is None and (reason := products_here(dtype)[layout]):
+        pytest.skip(f"the {layout} layout of {dtype}: {reason}")
     monkeypatch.setattr(prepare, *PRODUCTS[quantize])
+    if quantize is None:
+        monkeypatch.setattr(prepare, "_fastest_layout", lambda *shape: layout)
     cfg = MODELS[kind]
     params = ai.init_params(cfg, seed=3)
     g = torch.Generator().manual_seed(3)
@@ -107,10 +110,14 @@ def in_python(monkeypatch) -> None:
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize(
+    "quantize, layout", [(None, "gemv"), (None, "panels"), ("int8", None), ("int4", None)]
+)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_the_layers_in_c_give_the_python_layers_logits(kind, dtype, quantize, rows, monkeypatch):
-    params, cfg = model(kind, dtype, quantize, monkeypatch)
+def test_the_layers_in_c_give_the_python_layers_logits(
+    kind, dtype, quantize, layout, rows, monkeypatch
+):
+    params, cfg = model(kind, dtype, quantize, monkeypatch, layout)
     ran = counted(monkeypatch)
     in_c = decode(params, cfg, dtype, rows)
     assert ran and all(ran)

@@ -153,7 +153,7 @@ def test_prepared_params_give_the_same_logits(kind, dtype, layout, monkeypatch):
         fused |= {f"model.layers.{i}.self_attn.qkv_proj.{k}" for i in layers for k in kinds}
     assert prepared.keys() - params.keys() == {"lm_head.weight"} | fused
     assert set(kernels_used(prepared)) == {
-        {"packed": "onednn", "gemv": "gemv"}.get(layout, "float")
+        {"packed": "onednn", "gemv": "gemv", "panels": "panels"}.get(layout, "float")
     }
     tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
     # The same numbers in other layouts and fused products: another summation order. In bf16

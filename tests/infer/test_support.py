@@ -46,7 +46,10 @@ def test_a_missing_cpu_feature_is_refused_by_name(monkeypatch, fresh_choices):
     monkeypatch.setattr(support, "cpu_flags", lambda: AVX2_FLAGS)
     packed = products_here(torch.bfloat16)["packed"]
     assert "avx512bw+avx512vl+avx512dq" in packed and "avx_ne_convert" in packed
-    assert products_here(torch.float32) == before[torch.float32]
+    float32 = products_here(torch.float32)
+    assert "avx512f" in float32.pop("panels")  # our panel kernel's AVX-512
+    assert float32 == {k: v for k, v in before[torch.float32].items() if k != "panels"}
+    assert "avx512_bf16" in products_here(torch.bfloat16)["panels"]
     assert products_here(torch.int8) == before[torch.int8]  # fbgemm has its AVX2
     # prepare chooses among the others
     params, _ = make_model("gqa")

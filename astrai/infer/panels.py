@@ -1,0 +1,71 @@
+"""Float matrices in panels of 16 output rows (astrai/kernels/panels.c), multiplied by our C
+kernel at every row count: each vector of weights it loads serves 16 outputs of up to 16
+activation rows, so a decode step of many requests reads the weights at the memory's speed
+where a product of rows by dot products is bound by its reads from the caches.
+
+Whether it beats the other layouts on the running machine is measured at load
+(astrai.infer.prepare), like every other layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from astrai.infer.float_gemv import prompt_product
+from astrai.kernels import gemv
+from astrai.model.layers import cast
+
+PANEL = 16  # output rows a panel holds (panels.c)
+# Rows past which a product goes to the prompt's product (float_gemv.prompt_product) on the
+# weights unpacked for the call, which reads and writes them once, a few percent of a prompt
+# chunk's product. On a 2-core AMD Zen 5 the kernel led oneDNN's packed layout at 64 rows (1B
+# shape, 920-1,000 against 890-900 GFLOP/s), trailed it at 512 (0.75-0.93x) and at 2,048, where
+# the activations no longer stay in cache, ran 0.5-0.75x. The 0.5B shape's prefill of 4 x 512
+# tokens, every matrix in panels against the layouts chosen without them: past 256 rows
+# float32 0.85x, bfloat16 0.92x (a float32 MLP's pieces of ~430 rows unpacked the weights each);
+# past 512 rows 1.00x and 0.95x; the kernel at every row count 0.95x and 0.71x.
+PROMPT_ROWS = 512
+
+
+@dataclass(frozen=True, eq=False)
+class PanelMatrix:
+    """W [out, in] in panels; `linear(x)` is x @ W.T in x's dtype."""
+
+    panels: torch.Tensor
+    shape: torch.Size
+    run: Callable[[torch.Tensor], torch.Tensor]
+    kernel: str = "panels"
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > PROMPT_ROWS * x.shape[-1]:
+            return prompt_product(self.panels.dtype)(x, unpacked(self.panels, self.shape))
+        return cast(self.run(x), x.dtype)
+
+
+def panel_layout(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] as panels: float32 [panels][in][16], bfloat16 [panels][in / 2][16][2] (the
+    pairs of inputs vdpbf16ps multiplies side by side); the last panel padded with zero rows."""
+    out, in_features = w.shape
+    w = F.pad(w, (0, 0, 0, -out % PANEL))
+    if w.dtype == torch.bfloat16:
+        return w.view(-1, PANEL, in_features // 2, 2).transpose(1, 2).contiguous()
+    return w.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def unpacked(panels: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The [out, in] matrix of `shape` that panel_layout laid out as `panels`."""
+    out, in_features = shape
+    rows = panels.transpose(1, 2).reshape(-1, in_features)  # both layouts: [panels * 16, in]
+    return rows[:out]
+
+
+def panel_matrix(w: torch.Tensor) -> PanelMatrix:
+    """w [out, in] (float32 or bfloat16 on the CPU, in a multiple of 16) for our panel kernel."""
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
+        raise RuntimeError(f"the panel kernel takes float32 or bfloat16 on the CPU, not {w.dtype}")
+    panels = panel_layout(w)
+    return PanelMatrix(panels, w.shape, gemv.panel_product(panels, tuple(w.shape)))

@@ -1,0 +1,168 @@
+/* Products y = x @ W.T of float32 or bfloat16 weights laid out in panels of 16 output rows:
+ * float32 [out / 16][in][16], bfloat16 [out / 16][in / 2][16][2] (each input pair side by side,
+ * as vdpbf16ps takes them), the last panel padded with zero rows. A load of weights (16
+ * outputs of one input, or of a pair) is multiplied into up to 16 activation rows, each input
+ * broadcast to every lane, so each output sums in its own lane, in input order: no lane sums,
+ * and a row's outputs have the same bits whatever rows share the call.
+ *
+ * Against float_gemv.c's kernel, which multiplies rows of W [out, in] as torch holds them by
+ * activation rows in dot products, this reads far fewer bytes from the caches a product: one
+ * vector of weights and 16 broadcast words for 16 products, where a dot product block reads a
+ * vector of weights or activations for every 2.4. On a 2-core AMD Zen 5, the 1B shape's
+ * bfloat16 matrices streamed from memory at 16 rows: 745-790 GFLOP/s (45-49 GB/s) against the
+ * dot products' 460-540 and oneDNN's packed layout's 500-530; at 64 rows 920-1000 against
+ * oneDNN's 890-900; at one row as fast as the dot products (the memory's speed); at 512 rows
+ * 0.88-0.93x oneDNN's. float32 alike: 1.3-1.4x oneDNN at 16 rows, 1.04-1.1x at 64.
+ *
+ * Layouts: x float32 [rows][in] (bfloat16 weights: rounded to bfloat16 once a call, as a
+ * bfloat16 model's activations already are); y float32 [rows][out]. in a multiple of 16.
+ * AVX-512 (float32) and AVX-512 BF16 (bfloat16) only. Panels are split over the OpenMP threads
+ * of torch's libgomp, each thread one contiguous range, read as one stream. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vector_math.h"
+
+#define AVX512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define PANEL 16 /* output rows a panel holds: one vector's lanes */
+#define BLOCK 16 /* activation rows a pass takes: 16 accumulators and their 16 broadcasts */
+/* At more than one row the weights are asked for this far ahead, into L1: with the hardware's
+ * prefetchers alone the 1B shape's bfloat16 matrices at 16 rows read at 28 GB/s, asked 2 KiB
+ * ahead 35, 8 KiB 44-49, 16 KiB 45-46, 32 KiB 47-49 (AMD Zen 5). At one row, where a pass is
+ * as fast as memory alone, asking slowed it (47 against 51 GB/s). */
+#define AHEAD 16384
+/* Many rows (a prompt) are taken a group of blocks at a time, all panels for each group: the
+ * group's activation words (at most this many bytes) stay in L2 while the panels stream by,
+ * where all the rows' words, read again for every panel, would come from memory. */
+#define GROUP_BYTES (256 << 10)
+
+/* The activation rows of one pass, [inputs][rows] words (a float32 input, or a pair of
+ * bfloat16 inputs): each step of a pass reads its rows' words from one cache line at most. */
+typedef uint32_t Word;
+
+/* y[r][0..16) for r < R (a partial last panel: its first `width` lanes) from one panel w and
+ * the pass's words xs, `steps` words a row. */
+AVX512F INLINE void pass_f32(const Word *xs, int steps, const float *w, float *y, int out,
+                             int width, const int R) {
+    __m512 acc[BLOCK];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int k = 0; k < steps; k++) {
+        __m512 wv = _mm512_loadu_ps(w + (size_t)k * PANEL);
+        if (R > 1)
+            _mm_prefetch((const char *)(w + (size_t)k * PANEL) + AHEAD, _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)xs[(size_t)k * R + r]));
+            acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+        }
+    }
+    __mmask16 lanes = (__mmask16)((1u << width) - 1);
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(y + (size_t)r * out, lanes, acc[r]);
+}
+
+AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, float *y, int out,
+                                 int width, const int R) {
+    __m512 acc[BLOCK];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int k = 0; k < steps; k++) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)k * 2 * PANEL);
+        if (R > 1)
+            _mm_prefetch((const char *)(w + (size_t)k * 2 * PANEL) + AHEAD, _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xs[(size_t)k * R + r]);
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
+        }
+    }
+    __mmask16 lanes = (__mmask16)((1u << width) - 1);
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(y + (size_t)r * out, lanes, acc[r]);
+}
+
+/* Each pass as a function of its rows R (index R - 1), the constant inlined into each. */
+typedef void (*Pass)(const Word *xs, int steps, const void *w, float *y, int out, int width);
+#define PASS_AS(target, pass, T, R)                                                         \
+    target static void pass##_##R(const Word *xs, int steps, const void *w, float *y, int out, \
+                                  int width) {                                              \
+        pass(xs, steps, (const T *)w, y, out, width, R);                                    \
+    }
+#define PASSES_OF(target, pass, T)                                                        \
+    PASS_AS(target, pass, T, 1) PASS_AS(target, pass, T, 2) PASS_AS(target, pass, T, 3)   \
+    PASS_AS(target, pass, T, 4) PASS_AS(target, pass, T, 5) PASS_AS(target, pass, T, 6)   \
+    PASS_AS(target, pass, T, 7) PASS_AS(target, pass, T, 8) PASS_AS(target, pass, T, 9)   \
+    PASS_AS(target, pass, T, 10) PASS_AS(target, pass, T, 11) PASS_AS(target, pass, T, 12) \
+    PASS_AS(target, pass, T, 13) PASS_AS(target, pass, T, 14) PASS_AS(target, pass, T, 15) \
+    PASS_AS(target, pass, T, 16)
+PASSES_OF(AVX512F, pass_f32, float)
+PASSES_OF(AVX512BF16, pass_bf16, uint16_t)
+#define ALL(p) {p##_1, p##_2, p##_3, p##_4, p##_5, p##_6, p##_7, p##_8, p##_9, p##_10, p##_11, \
+                p##_12, p##_13, p##_14, p##_15, p##_16}
+static const Pass PASSES[2][BLOCK] = {ALL(pass_f32), ALL(pass_bf16)};
+
+/* x's n rows [steps][n] words, a block of a pass (at most BLOCK rows): float32
+ * inputs as they are, or pairs of them rounded to bfloat16 (ties to even, as torch rounds). */
+AVX512BF16 static void words_bf16(const float *x, int n, int in, Word *out) {
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < in; i += 16) {
+            __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + (size_t)r * in + i));
+            uint32_t pairs[8];
+            _mm256_storeu_si256((__m256i *)pairs, (__m256i)h);
+            for (int j = 0; j < 8; j++)
+                out[(size_t)(i / 2 + j) * n + r] = pairs[j];
+        }
+}
+
+static void words_f32(const float *x, int n, int in, Word *out) {
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < in; i++)
+            memcpy(out + (size_t)i * n + r, x + (size_t)r * in + i, sizeof(Word));
+}
+
+int astrai_float_gemv_isa(void);
+
+/* 0, or -1: a shape it does not take (in not a multiple of 16), -2: out of memory, -3: the
+ * instructions it needs are missing here (AVX-512; bfloat16: AVX-512 BF16). */
+int astrai_panel_product(const float *x, int rows, int in, const void *w, int out, int bf16,
+                         float *y, int threads) {
+    if (in < 16 || in % 16 || rows < 1 || out < 1)
+        return -1;
+    if (astrai_float_gemv_isa() < (bf16 ? 3 : 2))
+        return -3;
+    int blocks = (rows + BLOCK - 1) / BLOCK, steps = bf16 ? in / 2 : in;
+    size_t block_words = (size_t)BLOCK * steps;
+    Word *words = malloc(sizeof(Word) * blocks * block_words);
+    if (!words)
+        return -2;
+    int panels = (out + PANEL - 1) / PANEL;
+    size_t panel_bytes = (size_t)PANEL * in * (bf16 ? 2 : 4);
+    int group = GROUP_BYTES / (sizeof(Word) * block_words);
+    group = group < 1 ? 1 : group;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        for (int b = t; b < blocks; b += n) {
+            int r = rows * b / blocks, m = rows * (b + 1) / blocks - r;
+            (bf16 ? words_bf16 : words_f32)(x + (size_t)r * in, m, in, words + b * block_words);
+        }
+#pragma omp barrier
+        int lo = (int)((int64_t)panels * t / n), hi = (int)((int64_t)panels * (t + 1) / n);
+        for (int first = 0; first < blocks; first += group) {
+            int last = first + group < blocks ? first + group : blocks;
+            for (int p = lo; p < hi; p++) {
+                const char *panel = (const char *)w + p * panel_bytes;
+                int width = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
+                for (int b = first; b < last; b++) {
+                    int r = rows * b / blocks, m = rows * (b + 1) / blocks - r;
+                    PASSES[bf16][m - 1](words + b * block_words, steps, panel,
+                                        y + (size_t)r * out + p * PANEL, out, width);
+                }
+            }
+        }
+    }
+    free(words);
+    return 0;
+}
