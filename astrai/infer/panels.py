@@ -23,11 +23,13 @@ PANEL = 16  # output rows a panel holds (panels.c)
 # Rows past which a product goes to the prompt's product (float_gemv.prompt_product) on the
 # weights unpacked for the call, which reads and writes them once, a few percent of a prompt
 # chunk's product. On a 2-core AMD Zen 5 the kernel led oneDNN's packed layout at 64 rows (1B
-# shape, 920-1,000 against 890-900 GFLOP/s), trailed it at 512 (0.75-0.93x) and at 2,048, where
-# the activations no longer stay in cache, ran 0.5-0.75x. The 0.5B shape's prefill of 4 x 512
-# tokens, every matrix in panels against the layouts chosen without them: past 256 rows
-# float32 0.85x, bfloat16 0.92x (a float32 MLP's pieces of ~430 rows unpacked the weights each);
-# past 512 rows 1.00x and 0.95x; the kernel at every row count 0.95x and 0.71x.
+# shape, 920-1,000 against 890-900 GFLOP/s), trailed it at 512 (0.85-0.95x) and further at
+# 2,048, where the activations no longer stay in cache (bfloat16 0.82-0.98x, float32
+# 0.70-0.92x). The 0.5B shape's prefill of 4 x 512 tokens, every matrix in panels, against
+# the layouts chosen without them (two processes alternating): past 512 rows float32 1.02x,
+# bfloat16 0.98x; past 256 rows 0.85x and 0.92x (a float32 MLP's pieces of ~430 rows unpacked
+# the weights each); the kernel at every row count 0.95x and 0.71x (then with float32 copies
+# of bfloat16 activations and outputs, which it no longer makes).
 PROMPT_ROWS = 512
 
 
@@ -59,8 +61,10 @@ def panel_layout(w: torch.Tensor) -> torch.Tensor:
 def unpacked(panels: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The [out, in] matrix of `shape` that panel_layout laid out as `panels`."""
     out, in_features = shape
-    rows = panels.transpose(1, 2).reshape(-1, in_features)  # both layouts: [panels * 16, in]
-    return rows[:out]
+    # a bfloat16 pair moves as one 32-bit word: 4.6x as fast as moving the halves apart
+    words = panels.view(torch.int32) if panels.dtype == torch.bfloat16 else panels
+    words = words.reshape(panels.shape[0], -1, PANEL).transpose(1, 2).contiguous()
+    return words.view(panels.dtype).reshape(-1, in_features)[:out]
 
 
 def panel_matrix(w: torch.Tensor) -> PanelMatrix:

@@ -105,7 +105,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_float_gemv.restype = i
     lib.astrai_float_gemv.argtypes = [p, i, i, p, i, i, p, i, i]
     lib.astrai_panel_product.restype = i
-    lib.astrai_panel_product.argtypes = [p, i, i, p, i, i, p, i]
+    lib.astrai_panel_product.argtypes = [p, i, i, p, i, i, p, i, i]
     lib.astrai_one_row_ahead.restype = i
     lib.astrai_one_row_ahead.argtypes = [i, i]
     lib.astrai_paged_attention.restype = i

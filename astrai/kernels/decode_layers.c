@@ -53,8 +53,8 @@ int astrai_paged_decode(const void *qkv, int64_t qkv_stride, int bf16_in, const 
                         float scale, float *out, int threads);
 int astrai_float_gemv(const float *x, int rows, int in, const void *w, int out, int bf16,
                       float *y, int threads, int isa);
-int astrai_panel_product(const float *x, int rows, int in, const void *w, int out, int bf16,
-                         float *y, int threads);
+int astrai_panel_product(const void *x, int rows, int in, const void *w, int out, int bf16,
+                         void *y, int threads, int io_bf16);
 int astrai_int8_gemv(const float *x, int rows, int in, const uint8_t *weight,
                      const float *row_scale, int out, float *y, int threads, int isa);
 int astrai_int4_gemv(const float *x, int rows, int in, const uint8_t *nibbles,
@@ -106,7 +106,7 @@ static int product(const Matrix *m, const void *x, const Step *s, const Buffers 
     case PANEL_FLOAT32:
     case PANEL_BFLOAT16:
         code = astrai_panel_product(in, s->rows, m->in, m->weight, m->out,
-                                    m->kind == PANEL_BFLOAT16, out, s->threads);
+                                    m->kind == PANEL_BFLOAT16, out, s->threads, 0);
         break;
     case INT8:
         code = astrai_int8_gemv(in, s->rows, m->in, m->weight, m->scale, m->out, out, s->threads,

@@ -181,13 +181,31 @@ def float_product(weight: torch.Tensor):
 
 
 def panel_product(panels: torch.Tensor, shape: tuple[int, int]):
-    """run(x, threads=None): x [..., in] @ W.T in float32 for W of `shape` [out, in], float32 or
-    bfloat16, laid out by panels.py (panels.c: in a multiple of 16)."""
+    """run(x, threads=None): x [..., in] @ W.T for W of `shape` [out, in], float32 or bfloat16,
+    laid out by astrai/infer/panels.py (panels.c: in a multiple of 16). In float32, or in
+    bfloat16 where x and W are both bfloat16: a bfloat16 prompt's activations and outputs are
+    not copied to float32 (the kernel rounds each output once either way, the same bits)."""
     kernel = _library().astrai_panel_product
+    out_features, in_features = shape
     bf16 = panels.dtype == torch.bfloat16
-    kind = PANEL_BFLOAT16 if bf16 else PANEL_FLOAT32
-    one_path = lambda *args: kernel(*args[:-1])  # noqa: E731 (it has no isa to choose)
-    return _call(one_path, "panel", shape, (panels,), (int(bf16),), kind)
+
+    def run(x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        if x.shape[-1] != in_features:  # the kernel reads as many inputs as x has
+            raise ValueError(f"x has {x.shape[-1]} features, the panel matrix takes {in_features}")
+        io = torch.bfloat16 if bf16 and x.dtype == torch.bfloat16 else torch.float32
+        rows = x.reshape(-1, in_features)
+        if rows.dtype != io or not rows.is_contiguous():
+            rows = rows.to(io).contiguous()
+        y = torch.empty(rows.shape[0], out_features, dtype=io)
+        n = threads if threads is not None else torch.get_num_threads()
+        args = (rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(), out_features)
+        code = kernel(*args, int(bf16), y.data_ptr(), n, int(io == torch.bfloat16))
+        _raise_on(code, "panel")
+        return y.view(*x.shape[:-1], out_features)
+
+    run.weights = (panels,)
+    run.spec = (PANEL_BFLOAT16 if bf16 else PANEL_FLOAT32, (panels.data_ptr(),), 0)
+    return run
 
 
 def int8_product(weight, row_scale, shape: tuple[int, int]):

@@ -44,9 +44,10 @@
 typedef uint32_t Word;
 
 /* y[r][0..16) for r < R (a partial last panel: its first `width` lanes) from one panel w and
- * the pass's words xs, `steps` words a row. */
-AVX512F INLINE void pass_f32(const Word *xs, int steps, const float *w, float *y, int out,
-                             int width, const int R) {
+ * the pass's words xs, `steps` words a row; y float32 (bfloat16 weights: or, where `narrow`,
+ * bfloat16, rounded as torch rounds). */
+AVX512F INLINE void pass_f32(const Word *xs, int steps, const float *w, void *y, int out,
+                             int width, int narrow, const int R) {
     __m512 acc[BLOCK];
     for (int r = 0; r < R; r++)
         acc[r] = _mm512_setzero_ps();
@@ -61,11 +62,11 @@ AVX512F INLINE void pass_f32(const Word *xs, int steps, const float *w, float *y
     }
     __mmask16 lanes = (__mmask16)((1u << width) - 1);
     for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(y + (size_t)r * out, lanes, acc[r]);
+        _mm512_mask_storeu_ps((float *)y + (size_t)r * out, lanes, acc[r]);
 }
 
-AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, float *y, int out,
-                                 int width, const int R) {
+AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, void *y, int out,
+                                 int width, int narrow, const int R) {
     __m512 acc[BLOCK];
     for (int r = 0; r < R; r++)
         acc[r] = _mm512_setzero_ps();
@@ -80,15 +81,20 @@ AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, f
     }
     __mmask16 lanes = (__mmask16)((1u << width) - 1);
     for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(y + (size_t)r * out, lanes, acc[r]);
+        if (narrow)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (size_t)r * out, lanes,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[r]));
+        else
+            _mm512_mask_storeu_ps((float *)y + (size_t)r * out, lanes, acc[r]);
 }
 
 /* Each pass as a function of its rows R (index R - 1), the constant inlined into each. */
-typedef void (*Pass)(const Word *xs, int steps, const void *w, float *y, int out, int width);
-#define PASS_AS(target, pass, T, R)                                                         \
-    target static void pass##_##R(const Word *xs, int steps, const void *w, float *y, int out, \
-                                  int width) {                                              \
-        pass(xs, steps, (const T *)w, y, out, width, R);                                    \
+typedef void (*Pass)(const Word *xs, int steps, const void *w, void *y, int out, int width,
+                     int narrow);
+#define PASS_AS(target, pass, T, R)                                                        \
+    target static void pass##_##R(const Word *xs, int steps, const void *w, void *y, int out, \
+                                  int width, int narrow) {                                 \
+        pass(xs, steps, (const T *)w, y, out, width, narrow, R);                           \
     }
 #define PASSES_OF(target, pass, T)                                                        \
     PASS_AS(target, pass, T, 1) PASS_AS(target, pass, T, 2) PASS_AS(target, pass, T, 3)   \
@@ -116,6 +122,13 @@ AVX512BF16 static void words_bf16(const float *x, int n, int in, Word *out) {
         }
 }
 
+/* the same from bfloat16 inputs, whose pairs are the words */
+static void words_pairs(const uint16_t *x, int n, int in, Word *out) {
+    for (int r = 0; r < n; r++)
+        for (int k = 0; k < in / 2; k++)
+            memcpy(out + (size_t)k * n + r, x + (size_t)r * in + 2 * k, sizeof(Word));
+}
+
 static void words_f32(const float *x, int n, int in, Word *out) {
     for (int r = 0; r < n; r++)
         for (int i = 0; i < in; i++)
@@ -124,11 +137,14 @@ static void words_f32(const float *x, int n, int in, Word *out) {
 
 int astrai_float_gemv_isa(void);
 
-/* 0, or -1: a shape it does not take (in not a multiple of 16), -2: out of memory, -3: the
- * instructions it needs are missing here (AVX-512; bfloat16: AVX-512 BF16). */
-int astrai_panel_product(const float *x, int rows, int in, const void *w, int out, int bf16,
-                         float *y, int threads) {
-    if (in < 16 || in % 16 || rows < 1 || out < 1)
+/* x [rows][in] and y [rows][out] float32, or with bfloat16 weights and `io_bf16` both
+ * bfloat16 (a bfloat16 model's prompt: no float32 copies of its activations and outputs).
+ * 0, or -1: a shape it does not take (in not a multiple of 16; bfloat16 io with float32
+ * weights), -2: out of memory, -3: the instructions it needs are missing here (AVX-512;
+ * bfloat16: AVX-512 BF16). */
+int astrai_panel_product(const void *x, int rows, int in, const void *w, int out, int bf16,
+                         void *y, int threads, int io_bf16) {
+    if (in < 16 || in % 16 || rows < 1 || out < 1 || (io_bf16 && !bf16))
         return -1;
     if (astrai_float_gemv_isa() < (bf16 ? 3 : 2))
         return -3;
@@ -138,7 +154,7 @@ int astrai_panel_product(const float *x, int rows, int in, const void *w, int ou
     if (!words)
         return -2;
     int panels = (out + PANEL - 1) / PANEL;
-    size_t panel_bytes = (size_t)PANEL * in * (bf16 ? 2 : 4);
+    size_t panel_bytes = (size_t)PANEL * in * (bf16 ? 2 : 4), y_bytes = io_bf16 ? 2 : 4;
     int group = GROUP_BYTES / (sizeof(Word) * block_words);
     group = group < 1 ? 1 : group;
 #pragma omp parallel num_threads(threads)
@@ -146,7 +162,11 @@ int astrai_panel_product(const float *x, int rows, int in, const void *w, int ou
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         for (int b = t; b < blocks; b += n) {
             int r = rows * b / blocks, m = rows * (b + 1) / blocks - r;
-            (bf16 ? words_bf16 : words_f32)(x + (size_t)r * in, m, in, words + b * block_words);
+            Word *block = words + b * block_words;
+            if (io_bf16)
+                words_pairs((const uint16_t *)x + (size_t)r * in, m, in, block);
+            else
+                (bf16 ? words_bf16 : words_f32)((const float *)x + (size_t)r * in, m, in, block);
         }
 #pragma omp barrier
         int lo = (int)((int64_t)panels * t / n), hi = (int)((int64_t)panels * (t + 1) / n);
@@ -157,8 +177,9 @@ int astrai_panel_product(const float *x, int rows, int in, const void *w, int ou
                 int width = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
                 for (int b = first; b < last; b++) {
                     int r = rows * b / blocks, m = rows * (b + 1) / blocks - r;
-                    PASSES[bf16][m - 1](words + b * block_words, steps, panel,
-                                        y + (size_t)r * out + p * PANEL, out, width);
+                    char *at = (char *)y + ((size_t)r * out + p * PANEL) * y_bytes;
+                    PASSES[bf16][m - 1](words + b * block_words, steps, panel, at, out, width,
+                                        io_bf16);
                 }
             }
         }

@@ -60,6 +60,16 @@ def test_bfloat16_activations_are_rounded_to_bfloat16_as_a_bfloat16_model_holds_
     assert torch.equal(run(x), run(x.to(torch.bfloat16).float()))
 
 
+def test_bfloat16_inputs_give_bfloat16_outputs_with_the_float32_outputs_rounded_once():
+    skip_unless_here(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    run = panel_matrix(torch.randn(40, 96, generator=g).to(torch.bfloat16)).run
+    for rows in (1, 17, 40):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        y = run(x)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, run(x.float()).to(torch.bfloat16))
+
+
 def test_the_layout_holds_sixteen_outputs_a_panel_and_bfloat16_inputs_in_pairs():
     w = torch.arange(20 * 4, dtype=torch.float32).view(20, 4)
     panels = panel_layout(w)
