@@ -9,6 +9,7 @@ Whether it beats the other layouts on the running machine is measured at load
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,9 +44,21 @@ class PanelMatrix:
     kernel: str = "panels"
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > PROMPT_ROWS * x.shape[-1]:
-            return prompt_product(self.panels.dtype)(x, unpacked(self.panels, self.shape))
+        road = prompt_road(self.panels.dtype)
+        if road is not None and x.numel() > PROMPT_ROWS * x.shape[-1]:
+            return road(x, unpacked(self.panels, self.shape))
         return cast(self.run(x), x.dtype)
+
+
+@functools.cache
+def prompt_road(dtype: torch.dtype) -> Callable | None:
+    """The prompt's product of `dtype` matrices (float_gemv.prompt_product, timed once a
+    process), or None where torch has none here (oneDNN held below AVX-512 refuses bfloat16),
+    and the kernel takes prompts too."""
+    try:
+        return prompt_product(dtype)
+    except RuntimeError:
+        return None
 
 
 def panel_layout(w: torch.Tensor) -> torch.Tensor:
@@ -71,5 +84,6 @@ def panel_matrix(w: torch.Tensor) -> PanelMatrix:
     """w [out, in] (float32 or bfloat16 on the CPU, in a multiple of 16) for our panel kernel."""
     if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
         raise RuntimeError(f"the panel kernel takes float32 or bfloat16 on the CPU, not {w.dtype}")
+    prompt_road(w.dtype)  # timed now, as weights are prepared, not in a request's first step
     panels = panel_layout(w)
     return PanelMatrix(panels, w.shape, gemv.panel_product(panels, tuple(w.shape)))

@@ -38,9 +38,8 @@ CPU_NEEDS = {
     (torch.int4, "gemv"): (("avx2", "fma"),),
     (torch.float32, "gemv"): (("avx2", "fma"),),
     (torch.bfloat16, "gemv"): (("avx2", "fma"),),
-    # our panel kernel: AVX-512, with BF16 dot products for bfloat16 matrices
-    (torch.float32, "panels"): (("avx512f", "avx512bw", "avx512vl", "avx512dq"),),
-    (torch.bfloat16, "panels"): (("avx512_bf16",),),
+    (torch.float32, "panels"): (("avx2", "fma"),),
+    (torch.bfloat16, "panels"): (("avx2", "fma"),),
 }
 # torch's CPU kernel of the weight-only product reads each activation row in whole vectors (16
 # floats with AVX-512, 8 with AVX2) and runs past the end of a row that is not a multiple of

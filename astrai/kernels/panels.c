@@ -14,10 +14,11 @@
  * oneDNN's 890-900; at one row as fast as the dot products (the memory's speed); at 512 rows
  * 0.88-0.93x oneDNN's. float32 alike: 1.3-1.4x oneDNN at 16 rows, 1.04-1.1x at 64.
  *
- * Layouts: x float32 [rows][in] (bfloat16 weights: rounded to bfloat16 once a call, as a
- * bfloat16 model's activations already are); y float32 [rows][out]. in a multiple of 16.
- * AVX-512 (float32) and AVX-512 BF16 (bfloat16) only. Panels are split over the OpenMP threads
- * of torch's libgomp, each thread one contiguous range, read as one stream. */
+ * Layouts: x [rows][in] and y [rows][out] float32, or bfloat16 both (bfloat16 weights only;
+ * float32 activations are rounded to bfloat16 once a call for bfloat16 weights, as a bfloat16
+ * model's already are). in a multiple of 16. AVX-512 (float32) and AVX-512 BF16 (bfloat16),
+ * else AVX2 + FMA (below). Panels are split over the OpenMP threads of torch's libgomp, each
+ * thread one contiguous range, read as one stream. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -48,6 +49,7 @@ typedef uint32_t Word;
  * bfloat16, rounded as torch rounds). */
 AVX512F INLINE void pass_f32(const Word *xs, int steps, const float *w, void *y, int out,
                              int width, int narrow, const int R) {
+    (void)narrow; /* float32 weights: float32 outputs */
     __m512 acc[BLOCK];
     for (int r = 0; r < R; r++)
         acc[r] = _mm512_setzero_ps();
@@ -88,6 +90,70 @@ AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, v
             _mm512_mask_storeu_ps((float *)y + (size_t)r * out, lanes, acc[r]);
 }
 
+/* AVX2 (16 vector registers): a panel's 16 outputs in two vectors of 8, up to SMALL_BLOCK rows a
+ * pass. bfloat16 weights are widened in registers: a 32-bit lane holds an output's pair of
+ * weights, the first input's the low half (the lane shifted left 16 is its float32) and the
+ * second's the high half (the lane with its low half cleared); the activations' words alike.
+ * Five rows: 10 accumulators, 4 widened weight vectors and 2 broadcasts. The outputs go
+ * through a row of scratch, which takes a partial panel and bfloat16 outputs. */
+#define SMALL_BLOCK 5
+
+AVX2 INLINE void store_row(const float *sums, void *y, int width, int narrow) {
+    if (!narrow) {
+        memcpy(y, sums, sizeof(float) * width);
+        return;
+    }
+    uint16_t bits[PANEL];
+    store8(bits, 1, 0, _mm256_loadu_ps(sums));
+    store8(bits, 1, 8, _mm256_loadu_ps(sums + 8));
+    memcpy(y, bits, sizeof(uint16_t) * width);
+}
+
+AVX2 INLINE __m256 low_halves(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+AVX2 INLINE __m256 high_halves(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+AVX2 INLINE void pass_avx2(const Word *xs, int steps, const void *w, int bf16, void *y, int out,
+                           int width, int narrow, const int R) {
+    __m256 lo[SMALL_BLOCK], hi[SMALL_BLOCK];
+    for (int r = 0; r < R; r++)
+        lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int k = 0; k < steps; k++) {
+        const char *at = (const char *)w + (size_t)k * PANEL * 4; /* a step: 64 bytes either way */
+        if (R > 1)
+            _mm_prefetch(at + AHEAD, _MM_HINT_T0);
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)at);
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(at + 32));
+        if (!bf16) {
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_castsi256_ps(_mm256_set1_epi32((int)xs[(size_t)k * R + r]));
+                lo[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(w0), xv, lo[r]);
+                hi[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(w1), xv, hi[r]);
+            }
+            continue;
+        }
+        __m256 first0 = low_halves(w0), second0 = high_halves(w0);
+        __m256 first1 = low_halves(w1), second1 = high_halves(w1);
+        for (int r = 0; r < R; r++) {
+            __m256i word = _mm256_set1_epi32((int)xs[(size_t)k * R + r]);
+            __m256 first = low_halves(word), second = high_halves(word);
+            lo[r] = _mm256_fmadd_ps(second0, second, _mm256_fmadd_ps(first0, first, lo[r]));
+            hi[r] = _mm256_fmadd_ps(second1, second, _mm256_fmadd_ps(first1, first, hi[r]));
+        }
+    }
+    size_t bytes = narrow ? 2 : 4;
+    for (int r = 0; r < R; r++) {
+        float sums[PANEL];
+        _mm256_storeu_ps(sums, lo[r]);
+        _mm256_storeu_ps(sums + 8, hi[r]);
+        store_row(sums, (char *)y + (size_t)r * out * bytes, width, narrow);
+    }
+}
+
 /* Each pass as a function of its rows R (index R - 1), the constant inlined into each. */
 typedef void (*Pass)(const Word *xs, int steps, const void *w, void *y, int out, int width,
                      int narrow);
@@ -105,9 +171,22 @@ typedef void (*Pass)(const Word *xs, int steps, const void *w, void *y, int out,
     PASS_AS(target, pass, T, 16)
 PASSES_OF(AVX512F, pass_f32, float)
 PASSES_OF(AVX512BF16, pass_bf16, uint16_t)
+#define SMALL_AS(bf16, R)                                                                  \
+    AVX2 static void pass_avx2_##bf16##_##R(const Word *xs, int steps, const void *w, void *y, \
+                                            int out, int width, int narrow) {               \
+        pass_avx2(xs, steps, w, bf16, y, out, width, narrow, R);                            \
+    }
+#define SMALL_OF(bf16) \
+    SMALL_AS(bf16, 1) SMALL_AS(bf16, 2) SMALL_AS(bf16, 3) SMALL_AS(bf16, 4) SMALL_AS(bf16, 5)
+SMALL_OF(0)
+SMALL_OF(1)
 #define ALL(p) {p##_1, p##_2, p##_3, p##_4, p##_5, p##_6, p##_7, p##_8, p##_9, p##_10, p##_11, \
                 p##_12, p##_13, p##_14, p##_15, p##_16}
 static const Pass PASSES[2][BLOCK] = {ALL(pass_f32), ALL(pass_bf16)};
+static const Pass SMALL_PASSES[2][SMALL_BLOCK] = {
+    {pass_avx2_0_1, pass_avx2_0_2, pass_avx2_0_3, pass_avx2_0_4, pass_avx2_0_5},
+    {pass_avx2_1_1, pass_avx2_1_2, pass_avx2_1_3, pass_avx2_1_4, pass_avx2_1_5},
+};
 
 /* x's n rows [steps][n] words, a block of a pass (at most BLOCK rows): float32
  * inputs as they are, or pairs of them rounded to bfloat16 (ties to even, as torch rounds). */
@@ -119,6 +198,18 @@ AVX512BF16 static void words_bf16(const float *x, int n, int in, Word *out) {
             _mm256_storeu_si256((__m256i *)pairs, (__m256i)h);
             for (int j = 0; j < 8; j++)
                 out[(size_t)(i / 2 + j) * n + r] = pairs[j];
+        }
+}
+
+/* words_bf16 with AVX2's rounding (round_bf16: the same, ties to even) */
+AVX2 static void words_bf16_avx2(const float *x, int n, int in, Word *out) {
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < in; i += 8) {
+            uint32_t bits[8];
+            _mm256_storeu_si256((__m256i *)bits,
+                                _mm256_castps_si256(round_bf16(_mm256_loadu_ps(x + (size_t)r * in + i))));
+            for (int j = 0; j < 4; j++)
+                out[(size_t)(i / 2 + j) * n + r] = bits[2 * j] >> 16 | (bits[2 * j + 1] & 0xffff0000u);
         }
 }
 
@@ -146,10 +237,13 @@ int astrai_panel_product(const void *x, int rows, int in, const void *w, int out
                          void *y, int threads, int io_bf16) {
     if (in < 16 || in % 16 || rows < 1 || out < 1 || (io_bf16 && !bf16))
         return -1;
-    if (astrai_float_gemv_isa() < (bf16 ? 3 : 2))
+    int isa = astrai_float_gemv_isa(), wide = isa >= (bf16 ? 3 : 2);
+    if (isa < 1)
         return -3;
-    int blocks = (rows + BLOCK - 1) / BLOCK, steps = bf16 ? in / 2 : in;
-    size_t block_words = (size_t)BLOCK * steps;
+    int most = wide ? BLOCK : SMALL_BLOCK; /* rows a pass takes */
+    const Pass *passes = wide ? PASSES[bf16] : SMALL_PASSES[bf16];
+    int blocks = (rows + most - 1) / most, steps = bf16 ? in / 2 : in;
+    size_t block_words = (size_t)most * steps;
     Word *words = malloc(sizeof(Word) * blocks * block_words);
     if (!words)
         return -2;
@@ -166,7 +260,8 @@ int astrai_panel_product(const void *x, int rows, int in, const void *w, int out
             if (io_bf16)
                 words_pairs((const uint16_t *)x + (size_t)r * in, m, in, block);
             else
-                (bf16 ? words_bf16 : words_f32)((const float *)x + (size_t)r * in, m, in, block);
+                (bf16 ? wide ? words_bf16 : words_bf16_avx2 : words_f32)(
+                    (const float *)x + (size_t)r * in, m, in, block);
         }
 #pragma omp barrier
         int lo = (int)((int64_t)panels * t / n), hi = (int)((int64_t)panels * (t + 1) / n);
@@ -178,8 +273,7 @@ int astrai_panel_product(const void *x, int rows, int in, const void *w, int out
                 for (int b = first; b < last; b++) {
                     int r = rows * b / blocks, m = rows * (b + 1) / blocks - r;
                     char *at = (char *)y + ((size_t)r * out + p * PANEL) * y_bytes;
-                    PASSES[bf16][m - 1](words + b * block_words, steps, panel, at, out, width,
-                                        io_bf16);
+                    passes[m - 1](words + b * block_words, steps, panel, at, out, width, io_bf16);
                 }
             }
         }

@@ -98,7 +98,12 @@ def test_a_prompts_rows_go_to_the_prompts_product_on_the_weights_unpacked(dtype,
     assert torch.equal(unpacked(panel_layout(w), w.shape), w)
     monkeypatch.setattr(panels, "PROMPT_ROWS", 4)
     m, x = panel_matrix(w), torch.randn(2, 3, 64).to(dtype)
-    assert torch.equal(m.linear(x), prompt_product(dtype)(x, w))
+    road = panels.prompt_road(dtype)
+    if road is None:  # no torch product of dtype here: the kernel takes the prompt
+        assert torch.equal(m.linear(x), m.run(x).to(dtype))
+        pytest.skip(f"no torch product of {dtype} here")
+    assert road is prompt_product(dtype)
+    assert torch.equal(m.linear(x), road(x, w))
     assert torch.equal(m.linear(x[0, :2]), m.run(x[0, :2]).to(dtype))  # four rows or fewer
 
 
