@@ -206,24 +206,21 @@ AVX2 static void words_bf16_avx2(const float *x, int n, int in, Word *out) {
     for (int r = 0; r < n; r++)
         for (int i = 0; i < in; i += 8) {
             uint32_t bits[8];
-            _mm256_storeu_si256((__m256i *)bits,
-                                _mm256_castps_si256(round_bf16(_mm256_loadu_ps(x + (size_t)r * in + i))));
-            for (int j = 0; j < 4; j++)
-                out[(size_t)(i / 2 + j) * n + r] = bits[2 * j] >> 16 | (bits[2 * j + 1] & 0xffff0000u);
+            __m256 rounded = round_bf16(_mm256_loadu_ps(x + (size_t)r * in + i));
+            _mm256_storeu_si256((__m256i *)bits, _mm256_castps_si256(rounded));
+            for (int j = 0; j < 4; j++) /* the first input's bits low, the second's high */
+                out[(size_t)(i / 2 + j) * n + r] =
+                    bits[2 * j] >> 16 | (bits[2 * j + 1] & 0xffff0000u);
         }
 }
 
-/* the same from bfloat16 inputs, whose pairs are the words */
-static void words_pairs(const uint16_t *x, int n, int in, Word *out) {
+/* the same where x's rows already are words, `row_words` a row: float32 inputs, or pairs of
+ * bfloat16 ones */
+static void words_as_they_are(const void *x, int n, int row_words, Word *out) {
     for (int r = 0; r < n; r++)
-        for (int k = 0; k < in / 2; k++)
-            memcpy(out + (size_t)k * n + r, x + (size_t)r * in + 2 * k, sizeof(Word));
-}
-
-static void words_f32(const float *x, int n, int in, Word *out) {
-    for (int r = 0; r < n; r++)
-        for (int i = 0; i < in; i++)
-            memcpy(out + (size_t)i * n + r, x + (size_t)r * in + i, sizeof(Word));
+        for (int k = 0; k < row_words; k++)
+            memcpy(out + (size_t)k * n + r, (const Word *)x + (size_t)r * row_words + k,
+                   sizeof(Word));
 }
 
 int astrai_float_gemv_isa(void);
@@ -231,8 +228,8 @@ int astrai_float_gemv_isa(void);
 /* x [rows][in] and y [rows][out] float32, or with bfloat16 weights and `io_bf16` both
  * bfloat16 (a bfloat16 model's prompt: no float32 copies of its activations and outputs).
  * 0, or -1: a shape it does not take (in not a multiple of 16; bfloat16 io with float32
- * weights), -2: out of memory, -3: the instructions it needs are missing here (AVX-512;
- * bfloat16: AVX-512 BF16). */
+ * weights), -2: out of memory, -3: the instructions it needs are missing here (AVX2 + FMA at
+ * least). */
 int astrai_panel_product(const void *x, int rows, int in, const void *w, int out, int bf16,
                          void *y, int threads, int io_bf16) {
     if (in < 16 || in % 16 || rows < 1 || out < 1 || (io_bf16 && !bf16))
@@ -257,11 +254,11 @@ int astrai_panel_product(const void *x, int rows, int in, const void *w, int out
         for (int b = t; b < blocks; b += n) {
             int r = rows * b / blocks, m = rows * (b + 1) / blocks - r;
             Word *block = words + b * block_words;
-            if (io_bf16)
-                words_pairs((const uint16_t *)x + (size_t)r * in, m, in, block);
+            if (io_bf16 || !bf16) /* a row of steps words as it is */
+                words_as_they_are((const Word *)x + (size_t)r * steps, m, steps, block);
             else
-                (bf16 ? wide ? words_bf16 : words_bf16_avx2 : words_f32)(
-                    (const float *)x + (size_t)r * in, m, in, block);
+                (wide ? words_bf16 : words_bf16_avx2)((const float *)x + (size_t)r * in, m, in,
+                                                      block);
         }
 #pragma omp barrier
         int lo = (int)((int64_t)panels * t / n), hi = (int)((int64_t)panels * (t + 1) / n);
