@@ -335,10 +335,9 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     per shape and cached, among those that run here: astrai.infer.support): kept [out, in],
     stored [in, out]-contiguous, packed for oneDNN (a PackedMatrix), kept [out, in] for our
     kernel at a decode step's rows (a GemvMatrix) or in panels for our panel kernel (a
-    PanelMatrix). With `quantize="int8"`
-    the matrices of the layers and the head become Int8Matrix values (8-bit weights, one scale
-    per output channel, the fastest int8 product that runs here; where none runs for a shape,
-    the error names each product and why). With `quantize="int4"` they become Int4Matrix values
+    PanelMatrix). With `quantize="int8"` the matrices of the layers and the head become
+    Int8Matrix values (8-bit weights, one scale per output channel, the fastest int8 product
+    that runs here; where none runs for a shape, the error names each product and why). With `quantize="int4"` they become Int4Matrix values
     the same way (4-bit weights, a scale and a zero point per group of inputs, the product and
     group size measured fastest here). The embedding and the norms keep their dtype and
     layout. With tied embeddings a head laid out otherwise is a copy of its own, so the
