@@ -30,11 +30,15 @@
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define PANEL 16 /* output rows a panel holds: one vector's lanes */
 #define BLOCK 16 /* activation rows a pass takes: 16 accumulators and their 16 broadcasts */
-/* At more than one row the weights are asked for this far ahead, into L1: with the hardware's
- * prefetchers alone the 1B shape's bfloat16 matrices at 16 rows read at 28 GB/s, asked 2 KiB
- * ahead 35, 8 KiB 44-49, 16 KiB 45-46, 32 KiB 47-49 (AMD Zen 5). At one row, where a pass is
- * as fast as memory alone, asking slowed it (47 against 51 GB/s). */
-#define AHEAD 16384
+/* At more than one row the weights are asked for this far ahead, into L2: with the hardware's
+ * prefetchers alone the 1B shape's bfloat16 matrices at 16 rows read at 28 GB/s, asked into L1
+ * 2 KiB ahead 35, 8 KiB 44-49, 16 KiB 45-46, 32 KiB 47-49 (AMD Zen 5). On an AMD Zen 4, whose L1
+ * holds 32 KiB to Zen 5's 48, asking into L1 16 KiB ahead held the 1B shape's layers at 16 rows
+ * to 144 (float32) and 269 GFLOP/s (bfloat16), into L2 32 KiB ahead 167-171 and 338-353 (medians
+ * of processes taking turns), at 4 rows 48 / 91 against 52 / 110, and held to AVX2 alike. At
+ * one row, where a pass is as fast as memory alone, asking slowed it (Zen 5: 47 against 51
+ * GB/s; Zen 4: no change). */
+#define AHEAD 32768
 /* Many rows (a prompt) are taken a group of blocks at a time, all panels for each group: the
  * group's activation words (at most this many bytes) stay in L2 while the panels stream by,
  * where all the rows' words, read again for every panel, would come from memory. */
@@ -56,7 +60,7 @@ AVX512F INLINE void pass_f32(const Word *xs, int steps, const float *w, void *y,
     for (int k = 0; k < steps; k++) {
         __m512 wv = _mm512_loadu_ps(w + (size_t)k * PANEL);
         if (R > 1)
-            _mm_prefetch((const char *)(w + (size_t)k * PANEL) + AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + (size_t)k * PANEL) + AHEAD, _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)xs[(size_t)k * R + r]));
             acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
@@ -75,7 +79,7 @@ AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, v
     for (int k = 0; k < steps; k++) {
         __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)k * 2 * PANEL);
         if (R > 1)
-            _mm_prefetch((const char *)(w + (size_t)k * 2 * PANEL) + AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + (size_t)k * 2 * PANEL) + AHEAD, _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xs[(size_t)k * R + r]);
             acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
@@ -125,7 +129,7 @@ AVX2 INLINE void pass_avx2(const Word *xs, int steps, const void *w, int bf16, v
     for (int k = 0; k < steps; k++) {
         const char *at = (const char *)w + (size_t)k * PANEL * 4; /* a step: 64 bytes either way */
         if (R > 1)
-            _mm_prefetch(at + AHEAD, _MM_HINT_T0);
+            _mm_prefetch(at + AHEAD, _MM_HINT_T1);
         __m256i w0 = _mm256_loadu_si256((const __m256i *)at);
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(at + 32));
         if (!bf16) {
