@@ -30,14 +30,11 @@
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define PANEL 16 /* output rows a panel holds: one vector's lanes */
 #define BLOCK 16 /* activation rows a pass takes: 16 accumulators and their 16 broadcasts */
-/* At more than one row the weights are asked for this far ahead, into L2: with the hardware's
- * prefetchers alone the 1B shape's bfloat16 matrices at 16 rows read at 28 GB/s, asked into L1
- * 2 KiB ahead 35, 8 KiB 44-49, 16 KiB 45-46, 32 KiB 47-49 (AMD Zen 5). On an AMD Zen 4, whose L1
- * holds 32 KiB to Zen 5's 48, asking into L1 16 KiB ahead held the 1B shape's layers at 16 rows
- * to 144 (float32) and 269 GFLOP/s (bfloat16), into L2 32 KiB ahead 167-171 and 338-353 (medians
- * of processes taking turns), at 4 rows 48 / 91 against 52 / 110, and held to AVX2 alike. At
- * one row, where a pass is as fast as memory alone, asking slowed it (Zen 5: 47 against 51
- * GB/s; Zen 4: no change). */
+/* At more than one row the weights are asked for this far ahead, into L2. Asked into L1 16 KiB
+ * ahead (with the hardware's prefetchers alone a Zen 5 read 0.6x as fast), an AMD Zen 4, whose
+ * L1 holds 32 KiB to Zen 5's 48, ran the 1B shape's layers at 16 rows 0.85x (float32) and 0.78x
+ * (bfloat16) as fast (docs/inference.md, "Float weights in panels", has the figures). At one
+ * row, where a pass is as fast as memory alone, asking slowed it (Zen 5: 47 against 51 GB/s). */
 #define AHEAD 32768
 /* Many rows (a prompt) are taken a group of blocks at a time, all panels for each group: the
  * group's activation words (at most this many bytes) stay in L2 while the panels stream by,
