@@ -337,10 +337,10 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     kernel at a decode step's rows (a GemvMatrix) or in panels for our panel kernel (a
     PanelMatrix). With `quantize="int8"` the matrices of the layers and the head become
     Int8Matrix values (8-bit weights, one scale per output channel, the fastest int8 product
-    that runs here; where none runs for a shape, the error names each product and why). With `quantize="int4"` they become Int4Matrix values
-    the same way (4-bit weights, a scale and a zero point per group of inputs, the product and
-    group size measured fastest here). The embedding and the norms keep their dtype and
-    layout. With tied embeddings a head laid out otherwise is a copy of its own, so the
+    that runs here; where none runs for a shape, the error names each product and why). With
+    `quantize="int4"` they become Int4Matrix values the same way (4-bit weights, a scale and a
+    zero point per group of inputs, the product and group size measured fastest here). The
+    embedding and the norms keep their dtype and layout. With tied embeddings a head laid out otherwise is a copy of its own, so the
     embedding lookup keeps reading whole rows.
 
     Inference also wants the process's C allocator to keep freed temporaries for reuse, so
