@@ -340,8 +340,8 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
     that runs here; where none runs for a shape, the error names each product and why). With
     `quantize="int4"` they become Int4Matrix values the same way (4-bit weights, a scale and a
     zero point per group of inputs, the product and group size measured fastest here). The
-    embedding and the norms keep their dtype and layout. With tied embeddings a head laid out otherwise is a copy of its own, so the
-    embedding lookup keeps reading whole rows.
+    embedding and the norms keep their dtype and layout. With tied embeddings a head laid out
+    otherwise is a copy of its own, so the embedding lookup keeps reading whole rows.
 
     Inference also wants the process's C allocator to keep freed temporaries for reuse, so
     this turns that on once per process, after the weights are placed
