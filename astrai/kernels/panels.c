@@ -95,9 +95,13 @@ AVX512BF16 INLINE void pass_bf16(const Word *xs, int steps, const uint16_t *w, v
  * pass. bfloat16 weights are widened in registers: a 32-bit lane holds an output's pair of
  * weights, the first input's the low half (the lane shifted left 16 is its float32) and the
  * second's the high half (the lane with its low half cleared); the activations' words alike.
- * Five rows: 10 accumulators, 4 widened weight vectors and 2 broadcasts. The outputs go
- * through a row of scratch, which takes a partial panel and bfloat16 outputs. */
-#define SMALL_BLOCK 5
+ * Six float32 rows: 12 accumulators, 2 weight vectors and a broadcast (against five, a 1B
+ * layer's matrices at 16 rows 1.15-1.25x on an AMD Zen 4 held to AVX2: docs/inference.md);
+ * five bfloat16 rows: 10 accumulators, 4 widened weight vectors and 2 broadcasts (six spilled:
+ * 0.7x). The outputs go through a row of scratch, which takes a partial panel and bfloat16
+ * outputs. */
+#define SMALL_BLOCK 6      /* float32 weights */
+#define SMALL_BLOCK_BF16 5 /* bfloat16 weights */
 
 AVX2 INLINE void store_row(const float *sums, void *y, int width, int narrow) {
     if (!narrow) {
@@ -180,12 +184,13 @@ PASSES_OF(AVX512BF16, pass_bf16, uint16_t)
 #define SMALL_OF(bf16) \
     SMALL_AS(bf16, 1) SMALL_AS(bf16, 2) SMALL_AS(bf16, 3) SMALL_AS(bf16, 4) SMALL_AS(bf16, 5)
 SMALL_OF(0)
+SMALL_AS(0, 6)
 SMALL_OF(1)
 #define ALL(p) {p##_1, p##_2, p##_3, p##_4, p##_5, p##_6, p##_7, p##_8, p##_9, p##_10, p##_11, \
                 p##_12, p##_13, p##_14, p##_15, p##_16}
 static const Pass PASSES[2][BLOCK] = {ALL(pass_f32), ALL(pass_bf16)};
 static const Pass SMALL_PASSES[2][SMALL_BLOCK] = {
-    {pass_avx2_0_1, pass_avx2_0_2, pass_avx2_0_3, pass_avx2_0_4, pass_avx2_0_5},
+    {pass_avx2_0_1, pass_avx2_0_2, pass_avx2_0_3, pass_avx2_0_4, pass_avx2_0_5, pass_avx2_0_6},
     {pass_avx2_1_1, pass_avx2_1_2, pass_avx2_1_3, pass_avx2_1_4, pass_avx2_1_5},
 };
 
@@ -238,7 +243,7 @@ int astrai_panel_product(const void *x, int rows, int in, const void *w, int out
     int isa = astrai_float_gemv_isa(), wide = isa >= (bf16 ? 3 : 2);
     if (isa < 1)
         return -3;
-    int most = wide ? BLOCK : SMALL_BLOCK; /* rows a pass takes */
+    int most = wide ? BLOCK : bf16 ? SMALL_BLOCK_BF16 : SMALL_BLOCK; /* rows a pass takes */
     const Pass *passes = wide ? PASSES[bf16] : SMALL_PASSES[bf16];
     int blocks = (rows + most - 1) / most, steps = bf16 ? in / 2 : in;
     size_t block_words = (size_t)most * steps;
