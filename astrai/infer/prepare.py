@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections import Counter
 
 import torch
@@ -32,7 +33,7 @@ SWEEP_BYTES = 256 << 20  # scratch for timing the layouts of one shape
 TUNE_ROWS = (1, 16)  # batch sizes the choices are timed at: one stream, and a busy server
 DENSE_ROWS = (64, 256, 1024)  # int4: the prompt-sized inputs the dense road is timed at
 DENSE_SAMPLE = 4096  # output rows it is timed on at most
-SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _fastest_int8)
+SPLIT_ROWS = (1, 4, 16)  # int8: one stream, a few, and a busy server (see _int8_choice)
 # A decode step runs its layers in one C call where every layer matrix is one of our C
 # products (astrai.infer.fused_layers: the float ones in these layouts), which saves the Python
 # around each layer's ops: ~120 us a layer on a 2-core AMD Zen 5 (a 0.5B float32 step at one row,
@@ -140,38 +141,64 @@ def _one_call_layouts(per_layer: dict, timed: dict) -> dict:
 
 
 @functools.cache
-def _fastest_int8(
+def _int8_seconds(
     out_features: int, in_features: int, device: str, copies: int, threads: int
-) -> tuple[str, tuple[int, str] | None]:
-    """(kernel, split): the int8 product of quant.BUILDERS, among those that run here,
-    fastest for [out, in] at one row, and where another is faster at 16 rows the split
-    (rows, other) that hands it inputs of more rows (rows 4 when the first still wins at 4,
-    else 1). Timed as a decode step reads them, streamed: a pass over `copies` matrices of
-    the shape at each of SPLIT_ROWS rows, best of three alternating rounds."""
+) -> dict[int, dict[str, float]]:
+    """{rows: {product of quant.BUILDERS that runs here: seconds a matrix}} for [out, in] at
+    each of SPLIT_ROWS rows. Timed as a decode step reads them, streamed: a pass over `copies`
+    matrices of the shape, best of three alternating rounds."""
     kernels = runnable(torch.int8, (out_features, in_features), device)
     q, scale = quantize_rows(torch.randn(out_features, in_features, device=device))
     # a copy of q each: a product that reads q where it lies would otherwise read it from cache
     runs = {k: [BUILDERS[k](q.clone(), scale) for _ in range(copies)] for k in kernels}
-    winners, shape = {}, f"{out_features}x{in_features} (x{copies})"
+    seconds = {}
     for rows in SPLIT_ROWS:
         x = torch.randn(rows, in_features, device=device)
-        timings = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
-        winners[rows] = min(timings, key=timings.get)
-        shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in timings.items())
-        log.info("int8 %s at %d rows: %s (%s a pass)", shape, rows, winners[rows], shown)
-    few, many = winners[SPLIT_ROWS[0]], winners[SPLIT_ROWS[-1]]
+        passes = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
+        seconds[rows] = {name: t / copies for name, t in passes.items()}
+        shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in passes.items())
+        shape = f"{out_features}x{in_features} (x{copies})"
+        log.info("int8 %s at %d rows: %s a pass", shape, rows, shown)
+    return seconds
+
+
+def _int8_choice(
+    seconds: dict[int, dict[str, float]], few: str | None = None
+) -> tuple[str, tuple[int, str] | None]:
+    """(kernel, split): `few`, or the product of `seconds` (_int8_seconds) fastest at one row,
+    and where another is faster at 16 rows the split (rows, other) that hands it inputs of
+    more rows (rows 4 when `few` is also the fastest at 4, else 1)."""
+    winners = {rows: min(times, key=times.get) for rows, times in seconds.items()}
+    few, many = few or winners[SPLIT_ROWS[0]], winners[SPLIT_ROWS[-1]]
     if few == many:
         return few, None
     return few, (SPLIT_ROWS[1] if winners[SPLIT_ROWS[1]] == few else SPLIT_ROWS[0], many)
 
 
-def fastest_kernel(
-    out_features: int, in_features: int, device: torch.device, copies: int = 1
-) -> tuple[str, tuple[int, str] | None]:
-    """(kernel, split): the int8 product that measures fastest for `copies` [out, in] matrices
-    streamed one after the other here, by number of rows (see _fastest_int8; cached)."""
+def int8_products(matrices: Params, copies: Counter) -> dict[torch.Size, tuple]:
+    """{shape: (kernel, split)} for these {key: float matrix} in 8 bits: each shape's fastest
+    product (_int8_choice, `copies` of it streamed), and the layers' our C product ("gemv")
+    at one row where that costs a layer at most LAYER_SECONDS there, so that a one-row step
+    keeps its layers in one C call. (Held to AVX2 on a 2-core AMD Zen 4, fbgemm's product and
+    ours ran the 0.5B shapes at one row within ~15 us a matrix of each other, either one ahead
+    from one process to the next; a one-row step with every layer matrix in fbgemm's ran 29-36
+    tok/s, with ours in one call 47-55.)"""
     threads = torch.get_num_threads()
-    return _fastest_int8(out_features, in_features, str(device), copies, threads)
+    devices = {w.shape: str(w.device) for w in matrices.values()}
+    seconds = {
+        shape: _int8_seconds(*shape, device, copies[shape], threads)
+        for shape, device in devices.items()
+    }
+    choices = {shape: _int8_choice(times) for shape, times in seconds.items()}
+    per_layer = _per_layer({key: w.shape for key, w in matrices.items()})
+    one_row = {shape: seconds[shape][SPLIT_ROWS[0]] for shape in per_layer}
+    lost = sum(
+        n * (one_row[shape].get("gemv", math.inf) - min(one_row[shape].values()))
+        for shape, n in per_layer.items()
+    )
+    if lost <= LAYER_SECONDS:
+        choices |= {shape: _int8_choice(seconds[shape], "gemv") for shape in per_layer}
+    return choices
 
 
 @functools.cache
@@ -287,13 +314,18 @@ def _layouts(matrices: Params) -> dict[tuple[torch.Size, torch.dtype], str]:
         for (shape, dtype), n in kinds.items()
     }
     fastest = {kind: _fastest_layout(*args) for kind, args in timed.items()}
-    in_layers = [key for key in floats if key.startswith(LAYERS)]
-    layers = len({key.removeprefix(LAYERS).split(".")[0] for key in in_layers})
-    kinds_in_layers = Counter((floats[key].shape, floats[key].dtype) for key in in_layers)
-    per_layer = {kind: n / layers for kind, n in kinds_in_layers.items()}
+    per_layer = _per_layer({key: (w.shape, w.dtype) for key, w in floats.items()})
     if all(fastest[kind] in ONE_CALL for kind in per_layer):
         return fastest
     return fastest | _one_call_layouts(per_layer, timed)
+
+
+def _per_layer(kinds: dict) -> dict:
+    """{kind: how many matrices of it a layer has}, from {key: its matrix's kind}: the layers'
+    keys counted over the number of layers (the head and other matrices outside them left out)."""
+    in_layers = [key for key in kinds if key.startswith(LAYERS)]
+    layers = len({key.removeprefix(LAYERS).split(".")[0] for key in in_layers})
+    return {kind: n / layers for kind, n in Counter(kinds[key] for key in in_layers).items()}
 
 
 def _is_float_cpu(w) -> bool:
@@ -354,11 +386,8 @@ def prepare_params(params: Params, quantize: str | None = None) -> Params:
         params["lm_head.weight"] = params[EMBED_KEY]  # laid out (a copy) as a matrix below
     matrices = {key: w for key, w in params.items() if _is_matrix(key, w)}
     if quantize == "int8":
-        copies = _copies(list(matrices.values()), bits=8)
-        params |= {
-            key: int8_matrix(w, *fastest_kernel(*w.shape, w.device, copies[w.shape]))
-            for key, w in matrices.items()
-        }
+        products = int8_products(matrices, _copies(list(matrices.values()), bits=8))
+        params |= {key: int8_matrix(w, *products[w.shape]) for key, w in matrices.items()}
     elif quantize == "int4":
         copies = _copies(list(matrices.values()), bits=4)
         params |= {

@@ -34,7 +34,7 @@ def fresh_choices():
         support._probe,
         prepare._layout_seconds,
         prepare._fastest_layout,
-        prepare._fastest_int8,
+        prepare._int8_seconds,
         prepare._fastest_int4,
     ]
     for cache in caches:

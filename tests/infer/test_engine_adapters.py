@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from infer_models import make_model
+from infer_models import every_int8, make_model
 from numerics import assert_close, forward_roundings
 
 import astrai as ai
@@ -189,7 +189,7 @@ def test_the_engine_serves_mixed_adapters_over_prepared_bf16_and_int8_weights(
     same products, in a batch of another size. (8 bits through the weight-only product: the
     dynamic one scales a whole call's activations at once, so a row's result depends on the
     rows beside it, see test_int8.py.)"""
-    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: ("weight_only", None))
+    monkeypatch.setattr(prepare, "int8_products", every_int8("weight_only"))
     params, cfg = make_model("gqa")
     adapters = dict(list(eight_adapters(params, cfg).items())[:3])
     names = ["ad0", None, "ad1", "ad2", "ad0"]

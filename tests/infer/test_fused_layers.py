@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from infer_models import BASE
+from infer_models import BASE, every_int8
 from numerics import assert_close, forward_roundings, tolerance
 
 import astrai as ai
@@ -43,7 +43,7 @@ MODELS = {
 }
 PRODUCTS = {  # how prepare_params is told to lay out every matrix, by quantize
     None: ("_fastest_layout", lambda *shape: "gemv"),
-    "int8": ("fastest_kernel", lambda *shape: ("gemv", None)),
+    "int8": ("int8_products", every_int8("gemv")),
     "int4": ("fastest_int4", lambda *shape: ("gemv", 32)),
 }
 
@@ -135,7 +135,7 @@ def test_a_pool_of_another_dtype(monkeypatch):
 
 
 def test_more_rows_than_a_product_runs_in_c_go_to_python(monkeypatch):
-    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: ("gemv", (2, "weight_only")))
+    monkeypatch.setattr(prepare, "int8_products", every_int8("gemv", (2, "weight_only")))
     cfg = MODELS["plain"]
     params = prepare_params(ai.init_params(cfg, seed=3), "int8")
     ran = counted(monkeypatch)

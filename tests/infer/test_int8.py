@@ -5,11 +5,12 @@ error where none runs, and the quality of a trained model (perplexity on held-ou
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
-from infer_models import BASE, greedy_reference, make_model
+from infer_models import BASE, every_int8, greedy_reference, make_model
 from numerics import int8_block_half_steps
 
 import astrai as ai
@@ -140,7 +141,7 @@ def test_engine_matches_recomputation_with_the_same_8_bit_weights(kind, kernel, 
     skip_unless_here(kernel)
     if (kind, kernel) == ("mla", "dynamic"):
         pytest.skip("a cached latent's up-projection depends on the call's other latents")
-    monkeypatch.setattr(prepare, "fastest_kernel", lambda *shape: (kernel, None))
+    monkeypatch.setattr(prepare, "int8_products", every_int8(kernel))
     params, cfg = make_model(kind)
     reference = prepare_params(params, quantize="int8")
     assert set(kernels_used(reference)) == {kernel}
@@ -307,8 +308,46 @@ def test_a_split_matrix_runs_one_product_up_to_its_rows_and_the_other_beyond():
 def test_the_int8_choice_splits_where_another_product_wins_at_more_rows(
     seconds, choice, monkeypatch, fresh_choices
 ):
+    time_products(monkeypatch, seconds)
+    head = {"lm_head.weight": torch.zeros(8, 16)}
+    assert prepare.int8_products(head, Counter({(8, 16): 2})) == {(8, 16): choice}
+
+
+def time_products(monkeypatch, seconds: dict[str, tuple]):
+    """Products named as `seconds` keys run here, each taking its seconds a pass at each of
+    SPLIT_ROWS rows."""
     at = {rows: i for i, rows in enumerate(prepare.SPLIT_ROWS)}
     monkeypatch.setattr(prepare, "runnable", lambda *args: list(seconds))
     monkeypatch.setattr(prepare, "BUILDERS", {name: lambda q, s, n=name: n for name in seconds})
     monkeypatch.setattr(prepare, "pass_seconds", lambda runs, x: seconds[runs[0]][at[x.shape[0]]])
-    assert prepare.fastest_kernel(8, 16, torch.device("cpu"), copies=2) == choice
+
+
+@pytest.mark.parametrize(
+    "behind, layers_take",
+    [
+        (50e-6, ("gemv", (1, "dynamic"))),  # 100 us a layer: within the budget
+        (150e-6, ("dynamic", None)),  # 300 us a layer: beyond it
+    ],
+)
+def test_the_layers_keep_our_product_at_one_row_within_the_one_call_budget(
+    behind, layers_take, monkeypatch, fresh_choices
+):
+    assert prepare.LAYER_SECONDS == 200e-6  # the figures above are set against it
+    fast = (1e-3, 1e-3, 1e-3)
+    time_products(monkeypatch, {"dynamic": fast, "gemv": (1e-3 + behind, 2e-3, 9e-3)})
+    matrices = {
+        "model.layers.0.self_attn.qkv_proj.weight": torch.zeros(8, 16),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(16, 8),
+        "model.layers.1.self_attn.qkv_proj.weight": torch.zeros(8, 16),
+        "model.layers.1.mlp.down_proj.weight": torch.zeros(16, 8),
+        "lm_head.weight": torch.zeros(24, 16),
+    }
+    copies = Counter({(8, 16): 1, (16, 8): 1, (24, 16): 1})
+    choices = prepare.int8_products(matrices, copies)
+    assert choices == {(8, 16): layers_take, (16, 8): layers_take, (24, 16): ("dynamic", None)}
+
+
+def test_the_layers_keep_the_fastest_product_where_ours_does_not_run(monkeypatch, fresh_choices):
+    time_products(monkeypatch, {"dynamic": (1e-3, 1e-3, 1e-3)})
+    matrices = {"model.layers.0.mlp.down_proj.weight": torch.zeros(16, 8)}
+    assert prepare.int8_products(matrices, Counter({(16, 8): 1})) == {(16, 8): ("dynamic", None)}
