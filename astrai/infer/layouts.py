@@ -9,11 +9,12 @@ import torch
 from astrai.infer.float_gemv import gemv_matrix
 from astrai.infer.packed import pack
 from astrai.infer.panels import panel_matrix
+from astrai.kernels.huge_pages import contiguous_in_huge_pages
 
 
 def _transposed(w: torch.Tensor) -> torch.Tensor:
     """The same matrix as a transposed view of [in, out]-contiguous storage."""
-    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return contiguous_in_huge_pages(w.transpose(-1, -2)).transpose(-1, -2)
 
 
 # kept [out, in]; stored [in, out]-contiguous; packed for oneDNN (a PackedMatrix); kept [out, in]

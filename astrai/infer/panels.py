@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from astrai.infer.float_gemv import prompt_product
 from astrai.kernels import gemv
+from astrai.kernels.huge_pages import contiguous_in_huge_pages
 from astrai.model.layers import cast
 
 PANEL = 16  # output rows a panel holds (panels.c)
@@ -67,8 +68,8 @@ def panel_layout(w: torch.Tensor) -> torch.Tensor:
     out, in_features = w.shape
     w = F.pad(w, (0, 0, 0, -out % PANEL))
     if w.dtype == torch.bfloat16:
-        return w.view(-1, PANEL, in_features // 2, 2).transpose(1, 2).contiguous()
-    return w.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+        return contiguous_in_huge_pages(w.view(-1, PANEL, in_features // 2, 2).transpose(1, 2))
+    return contiguous_in_huge_pages(w.view(-1, PANEL, in_features).transpose(1, 2))
 
 
 def unpacked(panels: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from astrai.kernels.build import kernel_library, why_absent
+from astrai.kernels.huge_pages import contiguous_in_huge_pages
 
 BLOCK = 32  # inputs an activation step covers (8-bit weights; 4-bit: activation_block)
 PAIR = 64  # rows are padded to a multiple of these inputs
@@ -43,7 +44,8 @@ def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
 def _columns(t: torch.Tensor, piece: int) -> torch.Tensor:
     """[out, width] (out a multiple of COLUMNS) as [out / 16, width / piece, 16, piece]: each
     `piece` inputs of a column block's 16 rows side by side, a line."""
-    return t.view(-1, COLUMNS, t.shape[1] // piece, piece).transpose(1, 2).contiguous()
+    lines = t.view(-1, COLUMNS, t.shape[1] // piece, piece).transpose(1, 2)
+    return contiguous_in_huge_pages(lines)
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
