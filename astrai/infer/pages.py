@@ -16,6 +16,7 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.infer.donation import donated_error
+from astrai.kernels.huge_pages import zeros_in_huge_pages
 from astrai.model import kv_shapes
 
 
@@ -52,12 +53,19 @@ def init_pages(
     if num_pages <= 0 or page_size <= 0:
         raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
     k_shape, v_shape = kv_shapes(cfg)
-    L = cfg.num_hidden_layers
+    shape = (cfg.num_hidden_layers, num_pages, page_size)
     return Pool(
-        k=torch.zeros(L, num_pages, page_size, *k_shape, dtype=dtype, device=device),
-        v=torch.zeros(L, num_pages, page_size, *v_shape, dtype=dtype, device=device),
+        k=_zeros((*shape, *k_shape), dtype, device),
+        v=_zeros((*shape, *v_shape), dtype, device),
         refs=torch.zeros(num_pages, dtype=torch.int32),
     )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """On the CPU in 2 MiB pages, as the weights: a step reads every page of its sequences."""
+    if torch.device(device).type == "cpu":
+        return zeros_in_huge_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def pages_for(tokens: int, page_size: int) -> int:

@@ -1,4 +1,4 @@
-"""Weights laid out in memory backed by 2 MiB pages.
+"""Weights and K/V pages in memory backed by 2 MiB pages.
 
 A decode step streams every weight once, and at one row it runs at the memory's speed. Read
 through 4 KiB pages, a stream crosses a page every 64 cache lines, each a translation to look
@@ -21,19 +21,27 @@ import torch
 PAGE = 2 << 20
 
 
-def contiguous_in_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a new contiguous tensor whose memory the kernel is asked to back with
-    2 MiB pages (the whole 2 MiB stretches of it: the tail under one stays in 4 KiB pages, so
-    no page is held that the tensor does not fill); the memory is returned when the tensor is
-    freed. t.contiguous() where t holds less than 2 MiB, is not on the CPU, or the system has
-    no such advice (off Linux)."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return t.contiguous()
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose memory the kernel is asked to back with 2 MiB pages (its
+    whole 2 MiB stretches: the tail under one stays in 4 KiB pages, so no page is held that
+    the tensor does not fill), a mapping of its own, returned when the tensor is freed; where
+    it holds less than 2 MiB or the system has no such advice (off Linux), torch.zeros'."""
+    count = torch.Size(shape).numel()
+    nbytes = count * dtype.itemsize
+    if nbytes < PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    # anonymous memory reads as zeros until written: nothing to fill
     region = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region mapped while it lives
     start = -raw.data_ptr() % PAGE
     with contextlib.suppress(OSError):  # a kernel without them: 4 KiB pages, as malloc's
         region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // PAGE * PAGE)
-    out = raw[start : start + nbytes].view(t.dtype).view(t.shape)
-    return out.copy_(t)
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def contiguous_in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a new contiguous tensor in memory advised to 2 MiB pages
+    (zeros_in_huge_pages); t.contiguous() where t holds less than 2 MiB or is not on the CPU."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < PAGE:
+        return t.contiguous()
+    return zeros_in_huge_pages(t.shape, t.dtype).copy_(t)

@@ -15,6 +15,7 @@ from astrai.config import ModelConfig
 from astrai.infer.ahead import one_row_ahead
 from astrai.kernels import gemv
 from astrai.kernels.build import kernel_library
+from astrai.kernels.huge_pages import contiguous_in_huge_pages
 from astrai.model import param_shapes
 from astrai.train.mfu import matmul_peak_gflops
 
@@ -26,9 +27,8 @@ QUANTIZED_BITS = {"int8": 8, "int4": 4}  # bits per matrix element of prepare_pa
 def stream_bandwidth(device: torch.device, n: int = 1 << 25, repeats: int = 5) -> dict[str, float]:
     """GB/s of copy (b = a), triad (a = b + 3c) and read (sum a) over float32 arrays of n
     elements (128 MiB each by default, far beyond any cache). Best of `repeats`, as STREAM."""
-    a = torch.rand(n, device=device)
-    b = torch.rand(n, device=device)
-    c = torch.rand(n, device=device)
+    # in 2 MiB pages where the CPU's are, as the weights are (astrai/kernels/huge_pages.py)
+    a, b, c = (contiguous_in_huge_pages(torch.rand(n, device=device)) for _ in range(3))
     size = a.element_size() * n
     kernels = {
         "copy": (lambda: b.copy_(a), 2 * size),
@@ -50,9 +50,9 @@ def weights_reader(device: torch.device, nbytes: int, repeats: int = 5) -> Calla
     faster of two readers: torch's sum, and on the CPU our float32 product at one row over the
     same bytes as a [n / 1024, 1024] matrix (it reads in several streams a thread; torch's sum
     read 1 GiB at 25 GB/s on a 2-core Intel Xeon where it read 31), asking for the weights
-    ahead or not as is faster here. Both only read slower than the memory can, so a share of
+    ahead or not as is faster here, in 2 MiB pages as the weights. Both only read slower than the memory can, so a share of
     the roofline made from the faster never flatters."""
-    a = torch.rand(max(nbytes // 4, 1024) // 1024 * 1024, device=device)
+    a = contiguous_in_huge_pages(torch.rand(max(nbytes // 4, 1024) // 1024 * 1024, device=device))
     readers = [lambda: a.sum()]
     if device.type == "cpu" and kernel_library() is not None:
         one_row_ahead(gemv.FLOAT32)

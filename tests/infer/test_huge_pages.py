@@ -1,6 +1,7 @@
-"""Weights laid out in memory advised to 2 MiB pages (astrai/kernels/huge_pages.py): the same
-values, in a region the kernel marks as advised (VmFlags "hg" in /proc/self/smaps), returned
-when the tensor is freed; small tensors as they were. The layouts of our products use it."""
+"""Weights and K/V pages in memory advised to 2 MiB pages (astrai/kernels/huge_pages.py): the
+same values, in a region the kernel marks as advised (VmFlags "hg" in /proc/self/smaps),
+returned when the tensor is freed; small tensors as they were. The layouts of our products and
+the page pool use it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import astrai as ai
+from astrai.infer import init_pages
 from astrai.infer.panels import panel_layout
 from astrai.kernels import gemv
-from astrai.kernels.huge_pages import PAGE, contiguous_in_huge_pages
+from astrai.kernels.huge_pages import PAGE, contiguous_in_huge_pages, zeros_in_huge_pages
 
 SMAPS = Path("/proc/self/smaps")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # absent where the kernel has none
@@ -69,3 +72,17 @@ def test_panels_are_laid_out_in_advised_memory(dtype):
 def test_8_bit_weights_are_laid_out_in_advised_memory():
     packed = gemv.pack_int8(torch.randint(-127, 128, (2048, 2048), dtype=torch.int8))
     assert "hg" in mapping_flags(packed.data_ptr())
+
+
+def test_zeros_in_advised_memory_are_zeros():
+    z = zeros_in_huge_pages((3, PAGE // 4), torch.float32)
+    assert z.shape == (3, PAGE // 4) and not z.any()
+    assert "hg" in mapping_flags(z.data_ptr())
+    assert zeros_in_huge_pages((4, 4), torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_the_page_pool_is_in_advised_memory():
+    cfg = ai.ModelConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    pool = init_pages(cfg, num_pages=512, page_size=16)  # 4 MiB of keys, 4 of values
+    assert all("hg" in mapping_flags(pool[name].data_ptr()) for name in ("k", "v"))
+    assert not pool["k"].any() and not pool["v"].any()
