@@ -151,13 +151,12 @@ def _int8_seconds(
     q, scale = quantize_rows(torch.randn(out_features, in_features, device=device))
     # a copy of q each: a product that reads q where it lies would otherwise read it from cache
     runs = {k: [BUILDERS[k](q.clone(), scale) for _ in range(copies)] for k in kernels}
-    seconds = {}
+    seconds, shape = {}, f"{out_features}x{in_features} (x{copies})"
     for rows in SPLIT_ROWS:
         x = torch.randn(rows, in_features, device=device)
         passes = best_of_rounds(runs, functools.partial(pass_seconds, x=x))
         seconds[rows] = {name: t / copies for name, t in passes.items()}
         shown = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in passes.items())
-        shape = f"{out_features}x{in_features} (x{copies})"
         log.info("int8 %s at %d rows: %s a pass", shape, rows, shown)
     return seconds
 

@@ -50,8 +50,9 @@ def weights_reader(device: torch.device, nbytes: int, repeats: int = 5) -> Calla
     faster of two readers: torch's sum, and on the CPU our float32 product at one row over the
     same bytes as a [n / 1024, 1024] matrix (it reads in several streams a thread; torch's sum
     read 1 GiB at 25 GB/s on a 2-core Intel Xeon where it read 31), asking for the weights
-    ahead or not as is faster here, in 2 MiB pages as the weights. Both only read slower than the memory can, so a share of
-    the roofline made from the faster never flatters."""
+    ahead or not as is faster here; the bytes in 2 MiB pages, as the weights. Both only read
+    slower than the memory can, so a share of the roofline made from the faster never
+    flatters."""
     a = contiguous_in_huge_pages(torch.rand(max(nbytes // 4, 1024) // 1024 * 1024, device=device))
     readers = [lambda: a.sum()]
     if device.type == "cpu" and kernel_library() is not None:
