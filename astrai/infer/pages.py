@@ -55,17 +55,11 @@ def init_pages(
     k_shape, v_shape = kv_shapes(cfg)
     shape = (cfg.num_hidden_layers, num_pages, page_size)
     return Pool(
-        k=_zeros((*shape, *k_shape), dtype, device),
-        v=_zeros((*shape, *v_shape), dtype, device),
+        # on the CPU in 2 MiB pages, as the weights: a step reads every page of its sequences
+        k=zeros_in_huge_pages((*shape, *k_shape), dtype, device),
+        v=zeros_in_huge_pages((*shape, *v_shape), dtype, device),
         refs=torch.zeros(num_pages, dtype=torch.int32),
     )
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """On the CPU in 2 MiB pages, as the weights: a step reads every page of its sequences."""
-    if torch.device(device).type == "cpu":
-        return zeros_in_huge_pages(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def pages_for(tokens: int, page_size: int) -> int:

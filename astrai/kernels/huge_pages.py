@@ -21,15 +21,18 @@ import torch
 PAGE = 2 << 20
 
 
-def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros whose memory the kernel is asked to back with 2 MiB pages (its
-    whole 2 MiB stretches: the tail under one stays in 4 KiB pages, so no page is held that
-    the tensor does not fill), a mapping of its own, returned when the tensor is freed; where
-    it holds less than 2 MiB or the system has no such advice (off Linux), torch.zeros'."""
-    count = torch.Size(shape).numel()
-    nbytes = count * dtype.itemsize
-    if nbytes < PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
+def zeros_in_huge_pages(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """A tensor of zeros whose memory the kernel is asked to back with 2 MiB pages (its whole
+    2 MiB stretches: the tail under one stays in 4 KiB pages, so no page is held that the
+    tensor does not fill), a mapping of its own, returned when the tensor is freed; where it
+    holds less than 2 MiB, is not on the CPU, or the system has no such advice (off Linux),
+    torch.zeros'."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    cpu = torch.device(device).type == "cpu"
+    if not cpu or nbytes < PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
     # anonymous memory reads as zeros until written: nothing to fill
     region = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region mapped while it lives
