@@ -31,7 +31,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "gemv.c", "gemm.c", "float_gemv.c", "amx.c", "attention.c", "prompt_attention.c",
-        "pointwise.c", "cross_entropy.c", "decode_layers.c", "panels.c",
+        "pointwise.c", "cross_entropy.c", "decode_layers.c", "panels.c", "arithmetic_peak.c",
     )
 )  # fmt: skip
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h", "quantized.h"))
@@ -128,6 +128,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.astrai_masked_attention.argtypes = [p, p, p, p, i, i, p, i, i, i, i, i, i, f, i]
     lib.astrai_decode_layers.restype = i
     lib.astrai_decode_layers.argtypes = [p, p, p, p]  # astrai/infer/fused_layers.py's structures
+    lib.astrai_arithmetic_peak.restype = ctypes.c_double
+    lib.astrai_arithmetic_peak.argtypes = [i, i64, i]
     return lib
 
 
