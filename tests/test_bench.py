@@ -22,6 +22,7 @@ from benchmark.limits import (
     gguf_bytes_per_token,
     kv_bytes_per_token,
     mean_kv_bytes,
+    prompt_flops_per_token,
     roofline_fraction,
     roofline_tokens_per_s,
 )
@@ -125,8 +126,9 @@ def test_without_reference_and_with_a_missing_piece(tmp_path, monkeypatch, capsy
     assert prefill_rows and all("ratio" not in r for r in prefill_rows)
 
 
-def test_sections_are_validated_and_decoding_brings_the_limits():
+def test_sections_are_validated_and_decoding_and_prompts_bring_the_limits():
     assert selected_sections(("decode",)) == ["limit", "decode"]
+    assert selected_sections(("prefill",)) == ["limit", "prefill"]
     assert selected_sections(("serve", "train")) == ["train", "serve"]
     with pytest.raises(ValueError, match="unknown section"):
         selected_sections(("decoding",))
@@ -530,6 +532,69 @@ def test_kv_bytes_count_each_layers_window():
     assert kv_bytes_per_token(cfg, 100, 4) == (10 + 100 + 10) * per_position
     # prompt 4, 3 new tokens: steps attend to 4, 5, 6 positions
     assert mean_kv_bytes(cfg, 4, 3, 2) == pytest.approx(3 * 5 * per_position / 2)
+
+
+def test_a_prompt_token_costs_two_flops_a_layer_weight_and_attention_over_what_it_sees():
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, sliding_window=2, tie_word_embeddings=False,
+        layer_types=("sliding_attention", "full_attention"),
+    )  # fmt: skip
+    shapes = astrai.model.param_shapes(cfg)
+    assert "lm_head.weight" in shapes  # a prefill keeping the last logits: no head per token
+    weights = sum(math.prod(s) for k, s in shapes.items() if not k.endswith(("embed_tokens.weight", "lm_head.weight")))  # fmt: skip
+    length = 4
+    causal = torch.ones(length, length).tril()
+    seen = causal.sum() / length + (causal.triu(-1)).sum() / length  # full; window of 2
+    attention = 2 * 2 * cfg.num_attention_heads * cfg.dim_per_head * seen
+    assert prompt_flops_per_token(cfg, length) == pytest.approx(2 * weights + attention)
+
+
+def test_the_arithmetic_peak_counts_the_operations_its_widest_instructions_ran():
+    from benchmark.limits import ARITHMETIC, arithmetic_peak
+
+    from astrai.kernels.build import kernel_library
+
+    lib = kernel_library()
+    if lib is None:
+        pytest.skip("our kernels do not run here")
+    wide, dot = lib.astrai_gemv_isa() >= 2, lib.astrai_float_gemv_isa() >= 3
+    # a multiply-add counted as two, per instruction: float32 lanes, bfloat16 pairs, int8 fours
+    ops = {"float32": 32 if wide else 16, "bfloat16": 64 if dot else 32 if wide else 16}
+    ops["int8"] = 128 if wide else 64  # VNNI's dot of fours; AVX2's multiply-add of byte pairs
+    for kind, per_instruction in ops.items():
+        assert lib.astrai_arithmetic_peak(ARITHMETIC[kind], 1000, 2) == per_instruction * 12 * 2000
+        assert arithmetic_peak(kind, repeats=1) > 0
+    assert lib.astrai_arithmetic_peak(3, 1000, 2) == lib.astrai_arithmetic_peak(0, 0, 2) == 0
+
+
+def test_rows_against_llama_cpp_carry_their_targets_on_the_shapes_people_run():
+    from types import SimpleNamespace
+
+    from benchmark.formats import FORMATS
+    from benchmark.sections import PEER_TARGETS, _reference_rows
+
+    by_name = {f.name: f for f in FORMATS}
+    files = ("F32", "Q8_0", "Q4_0", "Q4_K_M")
+    rates = {"engine": [10.0], "engine int8": [30.0], "engine int4": [40.0]}
+    rates |= {f"llama.cpp {t}": [r] for t, r in zip(files, (9.0, 25.0, 45.0, 40.0))}
+    for size in ("q05", "tiny"):
+        b = SimpleNamespace(
+            size=size, peer=SimpleNamespace(names=tuple(f"llama.cpp {t}" for t in files)),
+            main_format=by_name["float32"], formats={k: by_name[k] for k in ("int8", "int4")},
+            skipped_formats={}, rows=[],
+        )  # fmt: skip
+        pairs = [("engine", "transformers", "Engine, batch 1")]
+        _reference_rows(b, "decode", rates, pairs, "tok/s", peer_targets=PEER_TARGETS["decode"])
+        got = {r["reference_name"]: (r["target"], r["met"]) for r in b.rows[1:]}
+        if size == "tiny":  # the smoke model's rows are no test of speed
+            assert set(got.values()) == {(None, None)}
+            continue
+        # 1.11x against 1.0, 1.2x against 1.1, 0.89x against 1.0, 1.0x against 0.9
+        assert got == {
+            "llama.cpp F32": (1.0, True), "llama.cpp Q8_0": (1.1, True),
+            "llama.cpp Q4_0": (1.0, False), "llama.cpp Q4_K_M": (0.9, True),
+        }  # fmt: skip
 
 
 def test_roofline_fraction_is_streamed_bytes_over_the_bandwidth():

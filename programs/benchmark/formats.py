@@ -31,6 +31,15 @@ FORMATS = (
 PEER_TYPES = tuple(t for f in FORMATS for t in f.peers)
 
 
+def arithmetic_of(f: Format) -> str | None:
+    """What format f's prompt products multiply in (limits.ARITHMETIC): int8 for the 8- and
+    4-bit weights (int8 activations by their integers), else the float dtype; None for float16,
+    whose ceiling is not measured."""
+    if f.quantize is not None:
+        return "int8"
+    return f.dtype if f.dtype in ("float32", "bfloat16") else None
+
+
 def format_of(dtype: str, quantize: str | None) -> Format:
     """The format a run's --dtype / --quantize put our main side in: its quantize, else its
     dtype (a float16 run has no llama.cpp counterpart here: a format of its own)."""

@@ -1,7 +1,8 @@
-"""The hardware limits of decoding. Each step reads every weight once, so no decoder beats
-memory bandwidth / bytes of weights per step; and each token costs two flops per weight, so
-no batch beats peak matmul speed / flops per token. Both are measured in the same run, on
-the same device and threads, STREAM-style for bandwidth."""
+"""The hardware limits of decoding and prompts. Each step reads every weight once, so no decoder
+beats memory bandwidth / bytes of weights per step; and each token costs two flops per weight,
+so no batch beats peak matmul speed / flops per token, and no prompt the compute peak of its
+products / flops per prompt token. All are measured in the same run, on the same device and
+threads, STREAM-style for bandwidth."""
 
 from __future__ import annotations
 
@@ -80,6 +81,37 @@ def int8_matmul_gops(device: torch.device, n: int = 1024, repeats: int = 5) -> f
         return _best_rate(lambda: torch._int_mm(a, a), 2 * n**3, device, repeats)
     except (RuntimeError, AttributeError):
         return matmul_gflops(device, torch.float32, n)
+
+
+# What a format's prompt products multiply in (astrai_arithmetic_peak's kinds): the 8- and 4-bit
+# weights' prompts multiply int8 activations by int8 (or unpacked 4-bit) weights
+ARITHMETIC = {"float32": 0, "bfloat16": 1, "int8": 2}
+ARITHMETIC_STEPS = 1 << 22  # a few ms a call at any width seen
+
+
+def arithmetic_peak(kind: str, repeats: int = 5) -> float | None:
+    """The cores' multiply-adds of `kind` (ARITHMETIC) issued back to back on torch's threads,
+    in GOP/s, a multiply-add counted as two (astrai/kernels/arithmetic_peak.c): the ceiling no
+    product beats, where torch's square product (matmul_gflops) is one library's rate and our
+    products pass it on some CPUs. None where our kernels do not run."""
+    lib = kernel_library()
+    if lib is None:
+        return None
+    threads = torch.get_num_threads()
+    run = functools.partial(lib.astrai_arithmetic_peak, ARITHMETIC[kind], ARITHMETIC_STEPS, threads)
+    return _best_rate(run, run(), torch.device("cpu"), repeats)
+
+
+def compute_peak(device: torch.device, kind: str) -> float:
+    """The most a prompt's products can multiply in `kind` (ARITHMETIC) a second: the higher of
+    the cores' multiply-adds (arithmetic_peak, on the CPU) and the library's square product,
+    which on a CPU with AMX tiles runs bfloat16 and int8 where those multiply-adds do not."""
+    if kind == "int8":
+        library = int8_matmul_gops(device)
+    else:
+        library = matmul_gflops(device, getattr(torch, kind))
+    chains = arithmetic_peak(kind) if device.type == "cpu" else None
+    return max(library, chains or 0.0)
 
 
 def _best_rate(fn, units: int, device: torch.device, repeats: int) -> float:
@@ -161,6 +193,21 @@ def round_roofline(rates: list[float], bytes_per_token: float, bandwidths: list[
     roofline_fraction against the run's best read counts a slow minute against the decoder."""
     pairs = zip(rates, bandwidths, strict=True)
     return median([roofline_fraction(rate, bytes_per_token, bw) for rate, bw in pairs])
+
+
+def prompt_flops_per_token(cfg: ModelConfig, length: int) -> float:
+    """Flops a prompt token costs a prefill of `length` tokens that keeps the last logits: two
+    per layer weight, and attention's two products (scores, then the weighted values) over the
+    positions it sees, (length + 1) / 2 on average, at most a sliding layer's window. The one
+    head product per prompt and the elementwise work are left out."""
+    shapes = param_shapes(cfg)
+    heads = ("model.embed_tokens.weight", "lm_head.weight")
+    weights = sum(math.prod(s) for k, s in shapes.items() if k not in heads)
+    seen = 0.0
+    for i in range(cfg.num_hidden_layers):
+        window = cfg.sliding_window if cfg.is_sliding_layer(i) else length
+        seen += sum(min(t, window) for t in range(1, length + 1)) / length
+    return 2 * weights + 4 * cfg.num_attention_heads * cfg.dim_per_head * seen
 
 
 def decode_flops_per_token(cfg: ModelConfig) -> int:

@@ -47,13 +47,13 @@ class Options:
 
 
 def selected_sections(only: tuple[str, ...]) -> list[str]:
-    """The sections to run, in their fixed order; decode and throughput bring the limits they
-    are measured against."""
+    """The sections to run, in their fixed order; decode, throughput and prefill bring the
+    limits they are measured against."""
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
     wanted = set(only or SECTIONS)
-    if wanted & {"decode", "throughput"}:
+    if wanted & {"decode", "throughput", "prefill"}:
         wanted.add("limit")
     return [name for name in SECTIONS if name in wanted]
 

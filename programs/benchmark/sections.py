@@ -17,14 +17,26 @@ import torch
 from astrai.config import ModelConfig
 
 from . import ours, reference
-from .formats import FORMATS, Format, bf16_skip_reason, format_of, peer_pairs, skip_reason
+from .formats import (
+    FORMATS,
+    PEER_TYPES,
+    Format,
+    arithmetic_of,
+    bf16_skip_reason,
+    format_of,
+    peer_pairs,
+    skip_reason,
+)
 from .limits import (
+    ARITHMETIC,
+    compute_peak,
     decode_bytes_per_token,
     decode_flops_per_token,
     gguf_bytes_per_token,
     int8_matmul_gops,
     matmul_gflops,
     mean_kv_bytes,
+    prompt_flops_per_token,
     roofline_fraction,
     roofline_tokens_per_s,
     round_roofline,
@@ -42,6 +54,15 @@ from .verify import Logits, agreement, forward_logits, generated, predicted, sam
 # reach on a CPU: at 64 rows our bf16 products already run near the matmul peak (~725
 # GFLOP/s on 2 Zen 4 cores) and take 57 % of a step (docs/benchmarks.md, Targets).
 THROUGHPUT_TARGETS = {16: 2.0, 64: 2.0}
+# Against llama.cpp, on the shapes people run, by llama.cpp's file at the same bits: batch-1
+# decoding at least as fast (8-bit 1.1x, Q4_K_M's larger file 0.9x), prompts and sixteen
+# requests 1.5x.
+PEER_TARGETS = {
+    "decode": {"F32": 1.0, "BF16": 1.0, "Q8_0": 1.1, "Q4_0": 1.0, "Q4_K_M": 0.9},
+    "prefill": dict.fromkeys(PEER_TYPES, 1.5),
+    "throughput 16": dict.fromkeys(PEER_TYPES, 1.5),
+}
+PEER_TARGET_SIZES = ("q05", "1b")
 # The batch-1 rows read the memory's bandwidth once a round beside the sides' rounds, over a
 # working set the size of the largest side's weights up to READ_CAP: far past any cache seen
 # (480 MiB of L3 at most), without holding a float32 1B's 5 GB beside the sides' processes.
@@ -288,11 +309,13 @@ def _available(b: Bench, calls: dict) -> dict:
 
 
 def _reference_rows(
-    b: Bench, section, rates, pairs, unit, targets=None, choices=None, against_peer=0
-) -> None:
+    b: Bench, section, rates, pairs, unit, targets=None, choices=None, against_peer=0,
+    peer_targets=None,
+) -> None:  # fmt: skip
     """A compare row per (ours, reference, label), or our figure alone without a reference,
     and a row of pairs[against_peer]'s side against each llama.cpp file. Targets are set for
-    the real shapes; the tiny smoke model has none."""
+    the real shapes (the tiny smoke model has none), peer_targets ({llama.cpp file type:
+    target}) for the shapes of PEER_TARGET_SIZES."""
     for mine, theirs, label in pairs:
         target = (targets or {}).get(mine) if b.size != "tiny" else None
         if theirs in rates:
@@ -306,11 +329,12 @@ def _reference_rows(
     mine, _, label = pairs[against_peer]
     ours_by_format = {b.main_format.name: mine}
     ours_by_format |= {fmt: f"{mine} {fmt}" for fmt in b.formats if f"{mine} {fmt}" in rates}
+    peer_targets = (peer_targets or {}) if b.size in PEER_TARGET_SIZES else {}
     for ours_side, name in peer_pairs(ours_by_format, b.peer.names):
         fmt = ours_side.removeprefix(mine).strip() or b.main_format.name
-        pair = (ours_side, name)
-        row = _compared(b, section, f"{label}, {fmt} vs {name}", unit, rates, pair, choices, name)
-        b.rows.append(row)
+        pair, target = (ours_side, name), peer_targets.get(name.split()[-1])
+        name_vs = f"{label}, {fmt} vs {name}"
+        b.rows.append(_compared(b, section, name_vs, unit, rates, pair, choices, name, target))
     paired = {name for _, name in peer_pairs(ours_by_format, b.peer.names)}
     for name in b.peer.names:
         if name not in paired:
@@ -347,8 +371,10 @@ def _compared(
         row |= verdict(pair, (choices[mine], choices[theirs]), b.logits_in("exact"), rounded)
     else:
         row |= same_work(pair, choices[mine], choices[theirs])
-    if row["verdict"] != "comparable":
-        row["met"] = None  # a target is met by a ratio of like things only
+    if row["verdict"] in ("not comparable", "refused"):
+        # a target is met by a ratio of like things only; an unchecked row's sides did the
+        # same work and ours is explained by its rounding, only the peer's cannot be checked
+        row["met"] = None
     if row["verdict"] == "refused":
         row |= {"ratio": None, "ratio_range": None}
     return row
@@ -372,9 +398,10 @@ def _choices(batches: list[list[list[int]]], outputs: dict, make=generated) -> d
 
 
 def limit(b: Bench) -> None:
-    """Memory bandwidth and matmul speed. Decode and throughput measure them again right
-    before their own rounds; the best seen in the run is the limit (a busy moment on a shared
-    machine only hides what the hardware can do), and its rows are written at the end."""
+    """Memory bandwidth, matmul speed, and the compute peak of each format's prompt products
+    (limits.compute_peak). Decode and throughput measure them again right before their own
+    rounds; the best seen in the run is the limit (a busy moment on a shared machine only
+    hides what the hardware can do), and its rows are written at the end."""
     n = 1 << 27 if b.device.type == "cuda" else 1 << 25
     weights = decode_bytes_per_token(b.cfg, b.dtype, b.quantize)
     bw = stream_bandwidth(b.device, n) | {
@@ -384,12 +411,18 @@ def limit(b: Bench) -> None:
     gflops = int8_matmul_gops(b.device) if b.quantize else matmul_gflops(b.device, b.dtype)
     old = b.extra.get("limits", {})
     best = {k: max(v, old.get("stream_gb_s", {}).get(k, 0.0)) for k, v in bw.items()}
+    kinds = {arithmetic_of(f) for f in (b.main_format, *b.formats.values())}
+    old_peaks = old.get("compute_gops", {})
+    peaks = {
+        k: max(compute_peak(b.device, k), old_peaks.get(k, 0.0)) for k in ARITHMETIC if k in kinds
+    }
     b.extra["limits"] = {
         "stream_gb_s": best,
         # the read of the step's own working set: the 128 MiB STREAM arrays sit in a large L3
         # (51 GB/s on an Intel Xeon with 480 MiB of it, where 2 GB of weights read at 33)
         "bandwidth_gb_s": best["read, weights-sized"],
         "matmul_gflops": max(gflops, old.get("matmul_gflops", 0.0)),
+        "compute_gops": peaks,  # what a prompt's products can reach (limit_rows)
         "bytes_per_token": weights,
         "flops_per_token": decode_flops_per_token(b.cfg),
         "measurements": old.get("measurements", 0) + 1,
@@ -406,12 +439,17 @@ def limit_rows(b: Bench) -> None:
     dtype = str(b.dtype).removeprefix("torch.")
     peak, unit = ("int8 products", "GOP/s") if b.quantize else (dtype, "GFLOP/s")
     b.rows.append(figure("limit", f"matmul peak, {peak}", unit, limits["matmul_gflops"]))
+    for kind, ops in limits.get("compute_gops", {}).items():
+        unit = "GOP/s" if kind == "int8" else "GFLOP/s"
+        b.rows.append(figure("limit", f"compute peak, {kind}", unit, ops))
     for batch in (1, *b.work.concurrency):
         roof = roofline_tokens_per_s(limits, batch)
         b.rows.append(figure("limit", f"decode roofline, batch {batch}", "tok/s", roof))
     for row in b.rows:
         if "bytes_per_token" in row:
             row["roofline"] = roofline_columns(row, lambda n: _read_bandwidth(b, n))
+        if peak := limits.get("compute_gops", {}).get(row.get("arithmetic")):
+            row["roofline"] = compute_roofline_columns(row, peak)
     labels = {"engine": "Engine", "loop": "decode_step loop", "transformers": "transformers"}
     for section, batch, rates, target in b.shares:
         roof = roofline_tokens_per_s(limits, batch)
@@ -432,6 +470,13 @@ def roofline_columns(row: dict, bandwidth: Callable[[float], float]) -> list[flo
         None if rate is None or n is None else roofline_fraction(rate, n, bandwidth(n))
         for rate, n in zip(rates, row["bytes_per_token"])
     ]
+
+
+def compute_roofline_columns(row: dict, peak_gops: float) -> list[float | None]:
+    """[ours, reference]: the share of the compute peak (limits.compute_peak) a prompt row's
+    sides reach, its tokens/s x the flops of a prompt token (prompt_flops_per_token) over it."""
+    rates = [row.get("ours"), row.get("reference")]
+    return [None if r is None else r * row["flops_per_token"] / (peak_gops * 1e9) for r in rates]
 
 
 def _read_bandwidth(b: Bench, nbytes: float) -> float:
@@ -493,7 +538,8 @@ def decode(b: Bench) -> None:
     choices = _choices(batches, outputs)
     targets = {"engine": _decode_target(b)}
     start = len(b.rows)
-    _reference_rows(b, "decode", rates, pairs, "tok/s", targets, choices)
+    peers = PEER_TARGETS["decode"]
+    _reference_rows(b, "decode", rates, pairs, "tok/s", targets, choices, peer_targets=peers)
     for row in b.rows[start:]:  # the roofline column, filled in at the end (limit_rows)
         row["bytes_per_token"] = [side and side_bytes(b, side) for side in row["sides"]]
         row["roofline_in_round"] = [
@@ -522,7 +568,8 @@ def throughput(b: Bench) -> None:
         targets = {"engine": THROUGHPUT_TARGETS.get(c)}
         pairs = [("engine", "transformers", f"Engine, {c} concurrent requests")]
         choices = _choices(batches[c], outputs[c])
-        _reference_rows(b, "throughput", rates[c], pairs, "tok/s", targets, choices)
+        peers = PEER_TARGETS.get(f"throughput {c}")
+        _reference_rows(b, "throughput", rates[c], pairs, "tok/s", targets, choices, 0, peers)
         b.shares.append(("throughput", c, rates[c], None))
 
 
@@ -568,7 +615,15 @@ def prefill(b: Bench) -> None:
         ("prefill", "ref_prefill", f"paged prefill, {batch} x {length}, last logits"),
     ]
     choices = _choices([x.tolist() for x in inputs], outputs, predicted)
-    _reference_rows(b, "prefill", rates, pairs, "tok/s", {"prefill": 1.0}, choices, 1)
+    start = len(b.rows)
+    peers = PEER_TARGETS["prefill"]
+    _reference_rows(b, "prefill", rates, pairs, "tok/s", {"prefill": 1.0}, choices, 1, peers)
+    for row in b.rows[start:]:  # the compute roofline column, filled in at the end (limit_rows)
+        mine = row["sides"][0]
+        if mine and mine.startswith("prefill"):
+            fmt = b.formats.get(mine.partition(" ")[2]) or b.main_format
+            row["arithmetic"] = arithmetic_of(fmt)
+            row["flops_per_token"] = prompt_flops_per_token(b.cfg, length)
 
 
 # --- training ----------------------------------------------------------------------------------

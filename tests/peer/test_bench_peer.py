@@ -40,6 +40,13 @@ def test_peer_rows_in_decode_throughput_and_prefill(tmp_path, capsys):
     # every batch-1 decode row has the share of the bandwidth llama.cpp streams
     decode = [r for r in results["rows"] if r["section"] == "decode" and "reference_name" in r]
     assert all(r["roofline"][1] > 0 for r in decode), decode
+    # and every prompt row each side's share of the compute peak of its format's products
+    prompts = [
+        r for r in results["rows"] if r["name"].startswith("paged prefill") and r.get("ratio")
+    ]
+    assert prompts and all(min(r["roofline"]) > 0 for r in prompts), prompts
+    assert "compute peak, float32" in {r["name"] for r in results["rows"]}
+    assert all(r["target"] is None for r in results["rows"])  # no target for the smoke model
     # the same weights: llama.cpp's F32 greedy tokens start like ours
     assert results["greedy_agreement"]["engine_vs_llama.cpp F32"] > 0.5
     assert any("extra buffer types" in note for note in results["notes"])
