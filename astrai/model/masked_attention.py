@@ -16,8 +16,7 @@ Inference measures which wins on the running machine, once per dtype and head sh
 (`products_win`), and, where the CPU has AVX-512, whether our own prompt kernel beats both
 (`kernel_wins`; astrai/kernels/prompt_attention.c: it reads only the keys each block of query
 rows may see, 2.7x torch's fused kernel on a 4 x 512 causal prompt of the 0.5B shape on AMD
-Zen 5, float32), timed apart for a prompt from its start, where it skips half the scores, and
-for a chunk after a cache, where it skips few. Training takes the products exactly where it runs in bf16 that the CPU
+Zen 5, float32). Training takes the products exactly where it runs in bf16 that the CPU
 multiplies natively: a rule rather than a timing, so that a resumed run takes the path the
 first one took and resumes bit-exactly. One query row (a decode step) keeps the fused kernel:
 products measured faster in isolation at 64 rows and no faster in a decode step (a paged
@@ -143,13 +142,10 @@ def attend_causal(
 def _kernel_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether our prompt kernel is the path: inference (no gradient: the kernel has none),
     more than one query row, inputs it takes (float32 or bfloat16 on a CPU with AVX-512), and
-    measured faster than torch's path here for this dtype and head shape (`kernel_wins`), on
-    a prompt from its start where the keys are fewer than twice the queries (the causal mask
-    then hides more than a quarter of the scores), else on a chunk after a cache."""
-    T, S = q.shape[2], k.shape[2]
-    if torch.is_grad_enabled() or T == 1 or not prompt_attention.takes(q, k, v, mask):
+    measured faster than torch's path here for this dtype and head shape (`kernel_wins`)."""
+    if torch.is_grad_enabled() or q.shape[2] == 1 or not prompt_attention.takes(q, k, v, mask):
         return False
-    return kernel_wins(q.dtype, k.shape[1], q.shape[1] // k.shape[1], q.shape[3], S < 2 * T)
+    return kernel_wins(q.dtype, k.shape[1], q.shape[1] // k.shape[1], q.shape[3])
 
 
 def _products_pay(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -189,19 +185,12 @@ def _best_of_three(fn, *args, give_up: float = float("inf")) -> float:
 
 
 CHUNK = (256, 1024)  # the prompt chunk the paths are timed at: 256 tokens after 768 cached
-# A prompt from its start: the causal mask hides half the scores, which our kernel skips and
-# the products compute (bfloat16 on AMD Zen 4, 512 tokens: 1.2x the products; 2,048: 2.4x;
-# the CHUNK 0.83x)
-FROM_START = (512, 512)
 
 
-def _race(
-    first, second, dtype: torch.dtype, heads: int, groups: int, head_dim: int, shape=CHUNK
-) -> tuple:
-    """(first's, second's) best time on a random prompt chunk of shape (tokens, keys), CHUNK
-    by default (K/V heads `heads`, `groups` query heads each), logged; second gives up past
-    four times first's."""
-    T, S = shape
+def _race(first, second, dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> tuple:
+    """(first's, second's) best time on a random CHUNK-sized prompt chunk (K/V heads `heads`,
+    `groups` query heads each), logged; second gives up past four times first's."""
+    T, S = CHUNK
     g = torch.Generator().manual_seed(0)  # the global generator's stream stays the caller's
     q = torch.randn(1, heads * groups, T, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(1, heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -217,16 +206,13 @@ def _race(
 
 
 @functools.cache
-def kernel_wins(
-    dtype: torch.dtype, heads: int, groups: int, head_dim: int, from_start: bool = False
-) -> bool:
+def kernel_wins(dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> bool:
     """Whether our prompt kernel beats the faster of torch's fused kernel and the products
-    here for `dtype` inputs, on a chunk after a cache (products_win's CHUNK) or, from_start, on
-    a prompt from its first token (FROM_START), timed once per process and logged."""
+    here for `dtype` inputs, at products_win's chunk (256 tokens after 768 cached), timed once
+    per process and logged."""
     products = products_win(dtype, "cpu", heads, groups, head_dim)
     torchs = attend_by_products if products else attend_fused
-    shape = FROM_START if from_start else CHUNK
-    theirs, ours = _race(torchs, prompt_kernel, dtype, heads, groups, head_dim, shape)
+    theirs, ours = _race(torchs, prompt_kernel, dtype, heads, groups, head_dim)
     return ours < theirs
 
 

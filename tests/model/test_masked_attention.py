@@ -41,30 +41,6 @@ def test_timing_the_paths_leaves_the_global_random_stream_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_a_prompt_from_its_start_and_a_chunk_after_a_cache_are_timed_apart(monkeypatch):
-    """Our kernel skips the scores the causal mask hides: half of a prompt's from its start,
-    few of a chunk after a long cache, so each is raced on a shape of its own kind."""
-    if not prompt_attention.runs_here():
-        pytest.skip("our prompt kernel does not run on this CPU")
-    raced = []
-
-    def race(first, second, dtype, heads, groups, head_dim, shape=masked_attention.CHUNK):
-        raced.append(shape)
-        return (1.0, 2.0) if shape == masked_attention.CHUNK else (2.0, 1.0)
-
-    monkeypatch.setattr(masked_attention, "_race", race)
-    monkeypatch.setattr(masked_attention, "products_win", lambda *shape: True)
-    masked_attention.kernel_wins.cache_clear()
-    q = torch.randn(1, 4, 8, 16)
-    for keys, ours in ((8, True), (15, True), (16, False), (40, False)):
-        k = v = torch.randn(1, 2, keys, 16)
-        mask = masked_attention.causal_mask(8, keys)[None, None]
-        with torch.no_grad():
-            assert masked_attention._kernel_pays(q, k, v, mask) == ours, keys
-    assert raced == [masked_attention.FROM_START, masked_attention.CHUNK]  # once each
-    masked_attention.kernel_wins.cache_clear()
-
-
 def _training_inputs(heads: int, groups: int, length: int, g: torch.Generator):
     q = torch.randn(3, heads * groups, length, 8, generator=g).requires_grad_()
     k = torch.randn(3, heads, length, 8, generator=g).requires_grad_()
