@@ -200,9 +200,8 @@ def prompt_flops_per_token(cfg: ModelConfig, length: int) -> float:
     per layer weight, and attention's two products (scores, then the weighted values) over the
     positions it sees, (length + 1) / 2 on average, at most a sliding layer's window. The one
     head product per prompt and the elementwise work are left out."""
-    shapes = param_shapes(cfg)
-    heads = ("model.embed_tokens.weight", "lm_head.weight")
-    weights = sum(math.prod(s) for k, s in shapes.items() if k not in heads)
+    elements, hidden = _matrix_elements(cfg)
+    weights = elements - cfg.vocab_size * hidden  # the head's matrix runs once a prompt
     seen = 0.0
     for i in range(cfg.num_hidden_layers):
         window = cfg.sliding_window if cfg.is_sliding_layer(i) else length
